@@ -1,0 +1,56 @@
+"""The inputs of one step: a flat, ragged batch of tokens padded to a bucket."""
+
+from __future__ import annotations
+
+import numpy as np
+from flax import struct
+from jaxtyping import Array, Float, Int
+
+
+@struct.dataclass
+class StepBatch:
+    """One step's tokens (prefill chunks and decode tokens mixed) and per-sequence data.
+
+    Padding tokens have ``slot_mapping`` in page 0, the scratch page, and sit after
+    ``query_start[-1]``; padding sequences have an empty query range and ``seq_lens`` 0.
+    ``sample_index[b]`` is the token whose logits are sampled for sequence ``b``, or -1.
+    The random key of a sample is derived from ``seed`` and ``seq_lens``, so a sequence's
+    tokens do not depend on what else is in the batch.
+    """
+
+    token_ids: Int[Array, "tokens"]
+    positions: Int[Array, "tokens"]
+    slot_mapping: Int[Array, "tokens"]
+    query_start: Int[Array, "seqs_plus_one"]
+    seq_lens: Int[Array, "seqs"]
+    page_table: Int[Array, "seqs max_pages"]
+    sample_index: Int[Array, "seqs"]
+    temperature: Float[Array, "seqs"]
+    top_p: Float[Array, "seqs"]
+    top_k: Int[Array, "seqs"]
+    seed: Int[Array, "seqs"]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+def empty_batch(num_tokens: int, num_seqs: int, max_pages: int) -> StepBatch:
+    """An all-padding host batch of the given bucket, to fill in or to compile against."""
+    return StepBatch(
+        token_ids=np.zeros(num_tokens, np.int32),
+        positions=np.zeros(num_tokens, np.int32),
+        slot_mapping=np.zeros(num_tokens, np.int32),
+        query_start=np.zeros(num_seqs + 1, np.int32),
+        seq_lens=np.zeros(num_seqs, np.int32),
+        page_table=np.zeros((num_seqs, max_pages), np.int32),
+        sample_index=np.full(num_seqs, -1, np.int32),
+        temperature=np.zeros(num_seqs, np.float32),
+        top_p=np.ones(num_seqs, np.float32),
+        top_k=np.zeros(num_seqs, np.int32),
+        seed=np.zeros(num_seqs, np.int32),
+    )

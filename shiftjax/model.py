@@ -1,0 +1,180 @@
+"""The Llama-family forward pass over one device's shards, for both modes.
+
+Everything here runs inside ``shard_map``: arrays are local shards, collectives name the
+mesh axes. The TP and SP layers share the attention core (bias, RoPE, cache write,
+paged attention) and differ only in which tokens and which weight blocks a device
+multiplies, and in their collectives.
+
+Reductions are ordered so both modes add the same partial sums in the same order: TP
+mode sums its ``sp`` block partials with ``psum`` over ``sp`` and then over ``tp``; SP mode
+adds its ``sp`` block GEMMs in block order and then ``psum``s over ``tp``. With the aliased
+weight storage the two modes then write the same cache bytes wherever the all-reduce adds
+in device order (checked on the CPU mesh by the KV-invariance test).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float, Int
+
+from shiftjax.batch import StepBatch
+from shiftjax.kernels import AttentionMetadata, ragged_paged_attention, write_kv_cache
+from shiftjax.layouts.mesh import HEAD_AXES, SP, TP
+from shiftjax.weights import LayerWeights, LocalDims
+
+
+def rms_norm(x: Float[Array, "tokens d"], weight: Float[Array, "d"], eps: float) -> Float[Array, "tokens d"]:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def apply_rope(
+    x: Float[Array, "tokens heads head_dim"],
+    positions: Int[Array, "tokens"],
+    inv_freq: Float[Array, "half"],
+) -> Float[Array, "tokens heads head_dim"]:
+    """Rotary embedding in Hugging Face's ``rotate_half`` layout."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1).astype(x.dtype)[:, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1).astype(x.dtype)[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def psum_head_axes(x):
+    """The TP-mode all-reduce, over ``sp`` first so it adds what SP mode adds locally."""
+    return lax.psum(lax.psum(x, SP), TP)
+
+
+class Context:
+    """Static facts and per-step inputs that every layer of one step reads."""
+
+    def __init__(self, dims: LocalDims, eps: float, inv_freq, batch: StepBatch, attention: str):
+        self.dims = dims
+        self.eps = eps
+        self.inv_freq = inv_freq
+        self.batch = batch
+        self.attention = attention
+        self.metadata = AttentionMetadata(
+            query_start=batch.query_start, seq_lens=batch.seq_lens, page_table=batch.page_table)
+
+
+def attention_core(
+    qkv: Float[Array, "tokens qkv"],
+    bias: Float[Array, "one qkv"] | None,
+    k_cache, v_cache, layer, ctx: Context,
+):
+    """Bias, RoPE, cache write and paged attention for all tokens of the local head block."""
+    dims = ctx.dims
+    if bias is not None:
+        qkv = qkv + bias[0]
+    tokens = qkv.shape[0]
+    q_width = dims.q_heads * dims.head_dim
+    kv_width = dims.kv_slots * dims.head_dim
+    q = qkv[:, :q_width].reshape(tokens, dims.q_heads, dims.head_dim)
+    k = qkv[:, q_width:q_width + kv_width].reshape(tokens, dims.kv_slots, dims.head_dim)
+    v = qkv[:, q_width + kv_width:].reshape(tokens, dims.kv_slots, dims.head_dim)
+    q = apply_rope(q, ctx.batch.positions, ctx.inv_freq)
+    k = apply_rope(k, ctx.batch.positions, ctx.inv_freq)
+    k_cache, v_cache = write_kv_cache(
+        k_cache, v_cache, k.astype(k_cache.dtype), v.astype(v_cache.dtype),
+        ctx.batch.slot_mapping, layer=layer)
+    out = ragged_paged_attention(
+        q, k_cache, v_cache, ctx.metadata, layer=layer, sm_scale=dims.head_dim ** -0.5,
+        kv_slot_of_head=dims.kv_slot_of_head, implementation=ctx.attention)
+    return out.reshape(tokens, q_width), k_cache, v_cache
+
+
+def tp_layer(x, w: LayerWeights, k_cache, v_cache, layer, ctx: Context):
+    """One layer in TP mode: all tokens, this device's head block and FFN block."""
+    h = rms_norm(x, w.attn_norm, ctx.eps)
+    qkv = h @ w.wqkv[0]
+    attn, k_cache, v_cache = attention_core(qkv, w.bqkv, k_cache, v_cache, layer, ctx)
+    x = x + psum_head_axes(attn @ w.wo[0])
+    h = rms_norm(x, w.mlp_norm, ctx.eps)
+    gate_up = h @ w.w_gate_up[0]
+    act = _swiglu(gate_up, ctx.dims.ffn)
+    x = x + psum_head_axes(act @ w.w_down[0])
+    return x, k_cache, v_cache
+
+
+def sp_layer(x, w: LayerWeights, k_cache, v_cache, layer, ctx: Context):
+    """One layer in SP mode: local tokens through the whole TP shard, Ulysses attention."""
+    dims = ctx.dims
+    local_tokens = x.shape[0]
+    h = rms_norm(x, w.attn_norm, ctx.eps)
+    qkv = _column_blocks(h, w.wqkv, dims.sp)  # [local_tokens, sp, qkv]
+    # One all-to-all for q, k and v: split head blocks over sp, gather all tokens.
+    qkv = lax.all_to_all(qkv, SP, split_axis=1, concat_axis=0, tiled=True)
+    attn, k_cache, v_cache = attention_core(qkv[:, 0], w.bqkv, k_cache, v_cache, layer, ctx)
+    # The inverse: split tokens over sp, gather every head block of the TP shard.
+    attn = attn.reshape(dims.sp, local_tokens, -1)
+    attn = lax.all_to_all(attn, SP, split_axis=0, concat_axis=0, tiled=True)
+    attn = jnp.swapaxes(attn, 0, 1)  # [local_tokens, sp, q_width]
+    x = x + lax.psum(_row_blocks(attn, w.wo), TP)
+    h = rms_norm(x, w.mlp_norm, ctx.eps)
+    gate_up = _column_blocks(h, w.w_gate_up, dims.sp)
+    act = _swiglu(gate_up, dims.ffn)
+    x = x + lax.psum(_row_blocks(act, w.w_down), TP)
+    return x, k_cache, v_cache
+
+
+def _swiglu(gate_up, ffn: int):
+    gate, up = gate_up[..., :ffn], gate_up[..., ffn:]
+    return jax.nn.silu(gate) * up
+
+
+def _column_blocks(x, weight, sp: int):
+    """``x @ block_j`` for the sp blocks of the TP shard, as ``[tokens, sp, n]``."""
+    if isinstance(weight, tuple):  # aliased storage: sp separate GEMMs
+        return jnp.stack([x @ w[0] for w in weight], axis=1)
+    out = x @ weight[0]  # contiguous storage: one GEMM, outputs in block order
+    return out.reshape(x.shape[0], sp, -1)
+
+
+def _row_blocks(x, weight):
+    """``sum_j x[:, j] @ block_j``, added in block order."""
+    if isinstance(weight, tuple):
+        total = x[:, 0] @ weight[0][0]
+        for j in range(1, len(weight)):
+            total = total + x[:, j] @ weight[j][0]
+        return total
+    return x.reshape(x.shape[0], -1) @ weight[0]
+
+
+def embed_tokens(token_ids, embed, dims: LocalDims):
+    """Rows of the vocabulary-sharded table for all ``token_ids``, summed over devices."""
+    block = lax.axis_index(HEAD_AXES)
+    local = token_ids - block * dims.vocab
+    mine = (local >= 0) & (local < dims.vocab)
+    rows = jnp.take(embed, jnp.clip(local, 0, dims.vocab - 1), axis=0)
+    return psum_head_axes(jnp.where(mine[:, None], rows, jnp.zeros((), embed.dtype)))
+
+
+def lm_logits(hidden: Float[Array, "seqs d"], embed, lm_head, dims: LocalDims) -> Float[Array, "seqs vocab"]:
+    """Full-vocabulary float32 logits for the sampled rows (replicated on every device)."""
+    if lm_head is None:
+        local = jnp.einsum("bd,vd->bv", hidden, embed, preferred_element_type=jnp.float32)
+    else:
+        local = jnp.einsum("bd,dv->bv", hidden, lm_head, preferred_element_type=jnp.float32)
+    logits = lax.all_gather(local, HEAD_AXES, axis=1, tiled=True)
+    valid = jnp.arange(logits.shape[-1]) < dims.vocab_size
+    return jnp.where(valid[None, :], logits, -jnp.inf)[:, :dims.vocab_size]
+
+
+def run_layers(layer_fn, x, layers: LayerWeights, k_cache, v_cache, ctx: Context):
+    """Scans ``layer_fn`` over the stacked layers; the caches are the loop carry."""
+
+    def body(carry, xs):
+        x, k_cache, v_cache = carry
+        weights, layer = xs
+        return layer_fn(x, weights, k_cache, v_cache, layer, ctx), None
+
+    num_layers = layers.attn_norm.shape[0]
+    (x, k_cache, v_cache), _ = lax.scan(
+        body, (x, k_cache, v_cache), (layers, jnp.arange(num_layers, dtype=jnp.int32)))
+    return x, k_cache, v_cache

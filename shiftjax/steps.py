@@ -1,0 +1,94 @@
+"""The two step functions: TP mode (``psum``) and Ulysses SP mode (``all_to_all``).
+
+Both have the contract ``out, caches = step(params, caches, batch)`` with the caches
+donated, both write the same cache arrays with the same PartitionSpec, and both sample
+inside the step so that one small ``[seqs, 2]`` int32 array (token, float32 log-prob bits)
+is all that goes to the host.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from shiftjax.batch import StepBatch
+from shiftjax.cache import KVCache, cache_spec
+from shiftjax.config import rope_inverse_frequencies
+from shiftjax.layouts.mesh import SP
+from shiftjax.model import Context, embed_tokens, lm_logits, rms_norm, run_layers, sp_layer, tp_layer
+from shiftjax.sampling import sample
+from shiftjax.weights import ModelWeights, ShardedParams
+
+Mode = Literal["tp", "sp"]
+MODES = ("tp", "sp")
+
+
+@struct.dataclass
+class StepOutput:
+    packed: jax.Array  # [seqs, 2] int32: sampled token, bit pattern of its float32 log-prob
+    logits: jax.Array | None = None  # [seqs, vocab] float32, only when asked for (tests)
+
+
+def unpack(packed) -> tuple[jax.Array, jax.Array]:
+    """Host side of the packing: ``(tokens, logprobs)`` from a ``[seqs, 2]`` int32 array."""
+    packed = jnp.asarray(packed) if not hasattr(packed, "view") else packed
+    return packed[:, 0], packed[:, 1].view(jnp.float32)
+
+
+def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", return_logits: bool = False):
+    """The jitted step of ``mode`` for these weights; caches (argument 1) are donated."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    config, dims, mesh = weights.config, weights.dims, weights.mesh
+    inv_freq = tuple(rope_inverse_frequencies(config))
+    layer_fn = tp_layer if mode == "tp" else sp_layer
+
+    def local_step(params: ShardedParams, k_cache, v_cache, batch: StepBatch):
+        ctx = Context(dims, config.rms_norm_eps, jnp.asarray(inv_freq, jnp.float32), batch, attention)
+        x = embed_tokens(batch.token_ids, params.embed, dims)
+        if mode == "sp":
+            local_tokens = x.shape[0] // dims.sp
+            first = lax.axis_index(SP) * local_tokens
+            x = lax.dynamic_slice_in_dim(x, first, local_tokens)
+        x, k_cache, v_cache = run_layers(layer_fn, x, params.layers, k_cache, v_cache, ctx)
+        if mode == "tp":
+            rows = jnp.take(x, jnp.maximum(batch.sample_index, 0), axis=0)
+        else:  # each sampled row lives on one sp rank; the psum adds zeros elsewhere
+            local = batch.sample_index - first
+            mine = (local >= 0) & (local < local_tokens)
+            rows = jnp.take(x, jnp.clip(local, 0, local_tokens - 1), axis=0)
+            rows = lax.psum(jnp.where(mine[:, None], rows, jnp.zeros((), x.dtype)), SP)
+        rows = rms_norm(rows, params.final_norm, config.rms_norm_eps)
+        logits = lm_logits(rows, params.embed, params.lm_head, dims)
+        tokens, logprobs = sample(logits, batch.temperature, batch.top_p, batch.top_k,
+                                  batch.seed, batch.seq_lens)
+        packed = jnp.stack([tokens, lax.bitcast_convert_type(logprobs, jnp.int32)], axis=1)
+        outputs = (packed, logits) if return_logits else (packed,)
+        return outputs, k_cache, v_cache
+
+    # Specs are read off the placed arrays, so they cannot disagree with the data.
+    param_specs = jax.tree.map(lambda a: a.sharding.spec, params_for(weights, mode))
+    cache = cache_spec()
+    sharded = jax.shard_map(
+        local_step, mesh=mesh,
+        in_specs=(param_specs, cache, cache, P()),
+        out_specs=((P(),) * (2 if return_logits else 1), cache, cache),
+        check_vma=False,
+    )
+
+    def step(params: ShardedParams, caches: KVCache, batch: StepBatch):
+        if mode == "sp" and batch.num_tokens % dims.sp:
+            raise ValueError(f"SP mode needs a token count divisible by sp={dims.sp}, got {batch.num_tokens}")
+        outputs, k, v = sharded(params, caches.k, caches.v, batch)
+        return StepOutput(*outputs), KVCache(k=k, v=v)
+
+    return jax.jit(step, donate_argnums=(1,))
+
+
+def params_for(weights: ModelWeights, mode: Mode) -> ShardedParams:
+    return weights.tp if mode == "tp" else weights.sp

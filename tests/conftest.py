@@ -1,0 +1,18 @@
+"""Test setup: 8 virtual CPU devices and run-time shape checks, before JAX is imported."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from jaxtyping import install_import_hook  # noqa: E402
+
+# Every jaxtyping annotation in the package is checked at run time during the tests.
+install_import_hook("shiftjax", "beartype.beartype")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_enable_x64", False)
+jax.config.update("jax_default_matmul_precision", "highest")
