@@ -1,0 +1,22 @@
+"""shiftjax: Shift Parallelism in JAX.
+
+This module stays light: subpackage imports run it first. ``shiftjax.LLM`` and
+``shiftjax.SamplingParams`` load the serving layer on first access.
+"""
+
+import importlib
+
+_LAZY = {
+    "LLM": "shiftjax.serving.llm",
+    "SamplingParams": "shiftjax.serving.sampling_params",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    # The package root re-exports the serving layer's offline API without importing it
+    # eagerly (BUILD: shiftjax itself does not depend on serving).
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -34,12 +34,6 @@ class StepOutput:
     logits: jax.Array | None = None  # [seqs, vocab] float32, only when asked for (tests)
 
 
-def unpack(packed) -> tuple[jax.Array, jax.Array]:
-    """Host side of the packing: ``(tokens, logprobs)`` from a ``[seqs, 2]`` int32 array."""
-    packed = jnp.asarray(packed) if not hasattr(packed, "view") else packed
-    return packed[:, 0], packed[:, 1].view(jnp.float32)
-
-
 def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", return_logits: bool = False):
     """The jitted step of ``mode`` for these weights; caches (argument 1) are donated."""
     if mode not in MODES:

@@ -1,0 +1,228 @@
+"""A step scheduler in the manner of vLLM V1: a token budget, decodes first, chunked prefill.
+
+Each step packs decode tokens of running requests first, then prefill chunks of running
+and waiting requests until the token budget or the sequence limit is reached. A request
+whose next token needs a page when none is free preempts the most recently admitted
+request, which returns to the head of the queue and later recomputes its tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+
+import numpy as np
+
+from shiftjax.batch import StepBatch, empty_batch
+from shiftjax.serving.allocator import OutOfPages, PageAllocator
+from shiftjax.serving.sampling_params import SamplingParams
+
+
+class QueueFull(Exception):
+    """The admission queue is at its bound; the caller answers RESOURCE_EXHAUSTED."""
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list[float] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    finish_reason: str | None = None
+    modes: list[str] = dataclasses.field(default_factory=list)  # mode of every step it ran in
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    page_size: int
+    num_pages: int
+    max_queue: int = 1024
+
+    def __post_init__(self):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "page_size", "max_queue"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_pages < 2:
+            raise ValueError("num_pages must be at least 2 (page 0 is scratch)")
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+
+@dataclasses.dataclass
+class ScheduledStep:
+    """What one step computes: host arrays (unpadded sizes) and who gets a sampled token."""
+
+    batch: StepBatch
+    num_tokens: int
+    requests: list[Request]
+    samples: list[bool]  # per request: is a token sampled for it this step
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.allocator = PageAllocator(config.num_pages)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self._ids = itertools.count()
+        self._chunks: list[tuple[Request, int]] = []
+
+    def add(self, prompt_ids: list[int], params: SamplingParams, eos_token_ids=()) -> Request:
+        if not prompt_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        limit = self.config.max_model_len
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({limit}); shorten the prompt or lower max_tokens"
+            )
+        if -(-(len(prompt_ids) + params.max_tokens) // self.config.page_size) > self.config.num_pages - 1:
+            raise ValueError(
+                f"prompt + max_tokens needs more KV-cache pages than the cache has "
+                f"({self.config.num_pages - 1} of {self.config.page_size} tokens)")
+        if len(self.waiting) >= self.config.max_queue:
+            raise QueueFull(f"admission queue is full ({self.config.max_queue} requests)")
+        request = Request(next(self._ids), list(prompt_ids), params,
+                          () if params.ignore_eos else tuple(eos_token_ids))
+        self.waiting.append(request)
+        return request
+
+    def abort(self, request: Request) -> None:
+        """Frees a request's pages at once (client gone, deadline passed)."""
+        request.finish_reason = request.finish_reason or "aborted"
+        self._release(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledStep | None:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[tuple[Request, int]] = []
+        self._chunks = chunks  # requests already in this step are never preempted
+        # Decodes first (each needs one token), oldest first; preempt the newest on shortage.
+        for request in list(self.running):
+            if request not in self.running or request.num_computed < len(request.tokens) - 1:
+                continue
+            if budget == 0:
+                break
+            if not self._reserve(request, 1):
+                continue
+            chunks.append((request, 1))
+            budget -= 1
+        # Then prefill: running requests mid-prompt, then admissions from the queue.
+        candidates = [r for r in self.running if r.num_computed < len(r.tokens) - 1]
+        for request in candidates:
+            if budget == 0:
+                break
+            size = min(len(request.tokens) - request.num_computed, budget)
+            if self._reserve(request, size):
+                chunks.append((request, size))
+                budget -= size
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            size = min(len(request.tokens) - request.num_computed, budget)
+            if not self._reserve(request, size, preempt=False):
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            chunks.append((request, size))
+            budget -= size
+        if not chunks:
+            return None
+        return self._build(chunks)
+
+    def _reserve(self, request: Request, new_tokens: int, preempt: bool = True) -> bool:
+        """Makes sure the pages for ``new_tokens`` more tokens exist, preempting if allowed."""
+        needed = -(-(request.num_computed + new_tokens) // self.config.page_size) - len(request.pages)
+        while needed > 0:
+            try:
+                request.pages += self.allocator.allocate(needed)
+                return True
+            except OutOfPages:
+                victims = [r for r in self.running
+                           if r is not request and all(r is not c for c, _ in self._chunks)]
+                if not preempt or not victims:
+                    return False
+                self._preempt(victims[-1])
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self._release(request)
+        request.num_computed = 0
+        self.waiting.appendleft(request)
+
+    def _release(self, request: Request) -> None:
+        self.allocator.free(request.pages)
+        request.pages = []
+        if request in self.running:
+            self.running.remove(request)
+
+    def _build(self, chunks: list[tuple[Request, int]]) -> ScheduledStep:
+        page_size = self.config.page_size
+        num_tokens = sum(size for _, size in chunks)
+        batch = empty_batch(num_tokens, len(chunks), self.config.max_pages_per_seq)
+        samples = []
+        start = 0
+        for b, (request, size) in enumerate(chunks):
+            first = request.num_computed
+            positions = np.arange(first, first + size)
+            pages = np.asarray(request.pages, np.int32)
+            batch.token_ids[start:start + size] = request.tokens[first:first + size]
+            batch.positions[start:start + size] = positions
+            batch.slot_mapping[start:start + size] = pages[positions // page_size] * page_size + positions % page_size
+            batch.query_start[b + 1] = start + size
+            batch.seq_lens[b] = first + size
+            batch.page_table[b, :len(pages)] = pages
+            reaches_end = first + size == len(request.tokens)
+            samples.append(reaches_end)
+            if reaches_end:
+                batch.sample_index[b] = start + size - 1
+                batch.temperature[b] = request.params.temperature
+                batch.top_p[b] = request.params.top_p
+                batch.top_k[b] = request.params.top_k
+                batch.seed[b] = request.params.seed
+            start += size
+        return ScheduledStep(batch, num_tokens, [r for r, _ in chunks], samples)
+
+    def commit(self, step: ScheduledStep, tokens, logprobs, mode: str) -> list[Request]:
+        """Records a step's results; returns the requests that finished with it."""
+        finished = []
+        for b, request in enumerate(step.requests):
+            if request.finished:  # aborted while the step ran
+                continue
+            request.num_computed = int(step.batch.seq_lens[b])
+            request.modes.append(mode)
+            if not step.samples[b]:
+                continue
+            token = int(tokens[b])
+            request.output_ids.append(token)
+            request.output_logprobs.append(float(logprobs[b]))
+            if token in request.eos_token_ids or token in request.params.stop_token_ids:
+                request.finish_reason = "stop"
+            elif len(request.output_ids) >= request.params.max_tokens:
+                request.finish_reason = "length"
+            if request.finished:
+                self._release(request)
+                finished.append(request)
+        return finished
