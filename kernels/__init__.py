@@ -1,0 +1,12 @@
+"""Attention kernels over the stacked paged KV cache: pure-JAX reference and Pallas GPU."""
+
+from .attention import ragged_paged_attention
+from .metadata import AttentionMetadata
+from .reference import ragged_paged_attention_reference, write_kv_cache
+
+__all__ = [
+    "AttentionMetadata",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "write_kv_cache",
+]
