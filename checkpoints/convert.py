@@ -23,6 +23,7 @@ from shiftjax.checkpoints.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MARKER_FILE,
+    nest,
     PARAMS_DIR,
     TOKENIZER_FILES,
     CheckpointError,
@@ -191,10 +192,8 @@ def save_params(flat: dict[str, np.ndarray], params_dir: Path) -> None:
     """Writes the canonical Params pytree with Orbax's StandardCheckpointer."""
     import orbax.checkpoint as ocp
 
-    from shiftjax.params import params_from_flat
-
     with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(Path(params_dir).absolute(), params_from_flat(flat))
+        checkpointer.save(Path(params_dir).absolute(), nest(flat))
         checkpointer.wait_until_finished()
 
 

@@ -38,6 +38,34 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read or written; the message names the file or tensor."""
 
 
+def nest(flat: dict) -> dict:
+    """``{"layers.wq": x, "embed": y}`` → ``{"layers": {"wq": x}, "embed": y}``.
+
+    Orbax sees plain nested dicts, not ``Params``: the dataclass is type-checked at
+    construction (jaxtyping), and neither numpy arrays nor ShapeDtypeStructs are Arrays.
+    The key paths are the same as those of ``Params``.
+    """
+    nested: dict = {}
+    for path, value in flat.items():
+        head, _, tail = path.partition(".")
+        if tail:
+            nested.setdefault(head, {})[tail] = value
+        else:
+            nested[head] = value
+    return nested
+
+
+def unnest(nested: dict) -> dict:
+    """The inverse of :func:`nest`."""
+    flat = {}
+    for key, value in nested.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    return flat
+
+
 def read_marker(path: Path) -> dict:
     """The ``shiftjax.json`` of a complete checkpoint, or a CheckpointError saying what lacks."""
     path = Path(path)

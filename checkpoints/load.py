@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shiftjax.checkpoints.format import CONFIG_FILE, PARAMS_DIR, CheckpointError, read_marker
+from shiftjax.checkpoints.format import CONFIG_FILE, PARAMS_DIR, CheckpointError, nest, read_marker, unnest
 from shiftjax.config import ConfigError, ModelConfig
 from shiftjax.params import Params, param_shapes, params_from_flat
 
@@ -25,7 +25,9 @@ def load_checkpoint(path: str | Path, *, dtype=None, shardings=None) -> tuple[Mo
     ``dtype``: None keeps the stored dtype; otherwise every weight is cast on restore
     (e.g. "float32" or ``jnp.bfloat16``). ``shardings``: a Params-shaped pytree of
     ``jax.sharding.Sharding`` that each array is restored into directly (no host copy of
-    the whole model, no resharding afterwards), or None for the default device.
+    the whole model, no resharding afterwards); also accepted: one Sharding for every
+    tensor, or a dict keyed by ``param_shapes`` paths (``"layers.wq"``). None means the
+    default device.
     """
     import jax
     import jax.numpy as jnp
@@ -44,17 +46,21 @@ def load_checkpoint(path: str | Path, *, dtype=None, shardings=None) -> tuple[Mo
             )
     target_dtype = jnp.dtype(dtype if dtype is not None else info.get("dtype", "float32"))
     if shardings is None:
-        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        flat_shardings = {name: default for name in shapes}
+        shardings = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if isinstance(shardings, jax.sharding.Sharding):
+        flat_shardings = {name: shardings for name in shapes}
+    elif isinstance(shardings, dict):
+        flat_shardings = unnest(shardings)
     else:
         from shiftjax.params import params_to_flat
 
         flat_shardings = params_to_flat(shardings)
-        if set(flat_shardings) != set(shapes):
-            raise CheckpointError(
-                f"shardings has tensors {sorted(flat_shardings)}, the checkpoint has {sorted(shapes)}"
-            )
-    abstract = params_from_flat(
+    if set(flat_shardings) != set(shapes):
+        raise CheckpointError(
+            f"shardings names the tensors {sorted(flat_shardings)}, but the checkpoint has "
+            f"{sorted(shapes)}"
+        )
+    abstract = nest(
         {
             name: jax.ShapeDtypeStruct(shape, target_dtype, sharding=flat_shardings[name])
             for name, shape in shapes.items()
@@ -62,10 +68,10 @@ def load_checkpoint(path: str | Path, *, dtype=None, shardings=None) -> tuple[Mo
     )
     try:
         with ocp.StandardCheckpointer() as checkpointer:
-            params = checkpointer.restore(path / PARAMS_DIR, abstract)
+            restored = checkpointer.restore(path / PARAMS_DIR, abstract)
     except (FileNotFoundError, ValueError, KeyError) as error:
         raise CheckpointError(f"cannot restore the weights in {path / PARAMS_DIR}: {error}") from error
-    return config, params
+    return config, params_from_flat(unnest(restored))
 
 
 def load_tokenizer(path: str | Path):
