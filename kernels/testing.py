@@ -40,17 +40,23 @@ def random_case(
     layers: int = 2,
     pad_tokens: int = 0,
     extra_pages: int = 2,
+    num_tokens: int | None = None,
+    max_pages: int | None = None,
+    num_pages: int | None = None,
     dtype=np.float32,
 ) -> RaggedCase:
     """A batch whose sequence ``b`` has ``cached_lens[b]`` cached and ``q_lens[b]`` new tokens.
 
     Pages are dealt out shuffled (page 0 stays the scratch page); unused page-table
     entries are 0; the cache holds random values everywhere, scratch page included.
+    ``num_tokens``, ``max_pages``, ``num_pages`` fix the padded shapes (so that one compiled
+    function serves many cases); by default they are as small as the case allows.
     """
     seq_lens = [c + n for c, n in zip(cached_lens, q_lens)]
     pages_needed = [-(-s // page_size) for s in seq_lens]
-    max_pages = max(1, max(pages_needed, default=1))
-    num_pages = 1 + sum(pages_needed) + extra_pages
+    max_pages = max_pages or max(1, max(pages_needed, default=1))
+    num_pages = num_pages or 1 + sum(pages_needed) + extra_pages
+    assert max(pages_needed, default=0) <= max_pages and 1 + sum(pages_needed) <= num_pages
     free = rng.permutation(np.arange(1, num_pages))
     page_table = np.zeros((len(q_lens), max_pages), np.int32)
     used = 0
@@ -58,7 +64,8 @@ def random_case(
         page_table[b, :n] = free[used : used + n]
         used += n
     query_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    tokens = int(query_start[-1]) + pad_tokens
+    tokens = num_tokens or int(query_start[-1]) + pad_tokens
+    assert tokens >= query_start[-1]
     shape = (layers, kv_slots, num_pages, page_size, head_dim)
     return RaggedCase(
         q=rng.standard_normal((tokens, q_heads, head_dim)).astype(dtype),

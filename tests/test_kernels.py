@@ -3,6 +3,8 @@ write, and the Pallas kernels in interpret mode against the reference."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,57 +21,63 @@ from shiftjax.kernels import (
 from shiftjax.kernels.metadata import kv_slot_map
 from shiftjax.kernels.testing import numpy_attention, random_case
 
-# (q_heads, kv_slots, kv_slot_of_head): uniform GQA, uneven groups, MHA, MQA.
-HEAD_MAPS = [(4, 2, None), (5, 2, (0, 0, 0, 1, 1)), (3, 3, None), (4, 1, None), (3, 2, (1, 0, 1))]
+# Shape configurations (q_heads, kv_slots, kv_slot_of_head, page_size, head_dim): uniform
+# GQA, uneven groups, MHA, MQA. Hypothesis varies lengths, chunk splits and page tables
+# inside one padded shape per configuration, so each configuration compiles once.
+SHAPES = [
+    (4, 2, None, 4, 16),
+    (5, 2, (0, 0, 0, 1, 1), 8, 8),
+    (3, 3, None, 4, 8),
+    (4, 1, None, 8, 16),
+]
+SEQS, MAX_Q, MAX_CACHED = 4, 10, 30
 
 
 @st.composite
-def ragged_batches(draw, max_seqs=4, max_q=6, max_cached=20):
-    num_seqs = draw(st.integers(1, max_seqs))
-    q_lens = draw(st.lists(st.integers(0, max_q), min_size=num_seqs, max_size=num_seqs))
-    cached = draw(st.lists(st.integers(0, max_cached), min_size=num_seqs, max_size=num_seqs))
-    cached = [c if n else 0 for c, n in zip(cached, q_lens)]  # q_len 0: empty sequence
-    return dict(
-        q_lens=q_lens,
-        cached_lens=cached,
-        pad_tokens=draw(st.integers(0, 3)),
-        page_size=draw(st.sampled_from([4, 8])),
-        heads=draw(st.sampled_from(HEAD_MAPS)),
-        head_dim=draw(st.sampled_from([8, 16])),
-        seed=draw(st.integers(0, 2**31 - 1)),
-    )
+def ragged_lengths(draw):
+    q_lens = draw(st.lists(st.integers(0, MAX_Q), min_size=SEQS, max_size=SEQS))
+    q_lens = draw(st.sampled_from([q_lens, [min(n, 1) for n in q_lens]]))  # mixed or all-decode
+    cached = draw(st.lists(st.integers(0, MAX_CACHED), min_size=SEQS, max_size=SEQS))
+    cached = [c if n else 0 for c, n in zip(cached, q_lens)]  # q_len 0: an empty sequence
+    return q_lens, cached, draw(st.integers(0, 2**31 - 1))
 
 
-def make_case(batch, dtype=np.float32):
-    q_heads, kv_slots, slots = batch["heads"]
+def make_case(shape, lengths, dtype=np.float32):
+    q_heads, kv_slots, slots, page_size, head_dim = shape
+    q_lens, cached, seed = lengths
+    max_pages = -(-(MAX_Q + MAX_CACHED) // page_size)
     case = random_case(
-        np.random.default_rng(batch["seed"]),
-        q_lens=batch["q_lens"], cached_lens=batch["cached_lens"], q_heads=q_heads,
-        kv_slots=kv_slots, head_dim=batch["head_dim"], page_size=batch["page_size"],
-        pad_tokens=batch["pad_tokens"], dtype=dtype,
+        np.random.default_rng(seed), q_lens=q_lens, cached_lens=cached, q_heads=q_heads,
+        kv_slots=kv_slots, head_dim=head_dim, page_size=page_size, dtype=dtype,
+        num_tokens=SEQS * MAX_Q + 3, max_pages=max_pages, num_pages=1 + SEQS * max_pages + 2,
     )
-    if case.q.shape[0] == 0:  # the API needs at least one token row
-        case = random_case(
-            np.random.default_rng(batch["seed"]), q_lens=batch["q_lens"],
-            cached_lens=batch["cached_lens"], q_heads=q_heads, kv_slots=kv_slots,
-            head_dim=batch["head_dim"], page_size=batch["page_size"], pad_tokens=1, dtype=dtype,
-        )
     return case, slots
 
 
-@settings(max_examples=12, deadline=None)
-@given(ragged_batches())
-def test_reference_matches_float64_oracle(batch):
-    case, slots = make_case(batch)
+def case_args(case):
+    return (jnp.asarray(case.q), jnp.asarray(case.k_cache), jnp.asarray(case.v_cache),
+            case.metadata(jnp), jnp.int32(case.layer))
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(fn, **static):
+    return jax.jit(lambda q, k, v, md, layer: fn(q, k, v, md, layer=layer, **dict(static)))
+
+
+def run(fn, case, **static):
+    return np.asarray(compiled(fn, **static)(*case_args(case)))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@settings(max_examples=6, deadline=None)
+@given(lengths=ragged_lengths())
+def test_reference_matches_float64_oracle(shape, lengths):
+    case, slots = make_case(shape, lengths)
     sm_scale = 1.0 / np.sqrt(case.q.shape[-1])
-    out = ragged_paged_attention_reference(
-        jnp.asarray(case.q), jnp.asarray(case.k_cache), jnp.asarray(case.v_cache),
-        case.metadata(jnp), layer=case.layer, sm_scale=sm_scale, kv_slot_of_head=slots,
-    )
+    out = run(ragged_paged_attention_reference, case, sm_scale=sm_scale, kv_slot_of_head=slots)
     expected = numpy_attention(
         case, sm_scale=sm_scale, slot_of_head=kv_slot_map(case.q.shape[1], case.k_cache.shape[1], slots)
     )
-    out = np.asarray(out)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, expected, atol=2e-5, rtol=2e-5)
     padding = slice(int(case.query_start[-1]), None)
@@ -81,8 +89,8 @@ def test_reference_bf16_close_to_oracle():
                        q_heads=4, kv_slots=2, head_dim=16, page_size=8, pad_tokens=2)
     sm_scale = 0.25
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (case.q, case.k_cache, case.v_cache))
-    out = ragged_paged_attention(q, k, v, case.metadata(jnp), layer=case.layer, sm_scale=sm_scale,
-                                 implementation="reference")
+    out = compiled(ragged_paged_attention, sm_scale=sm_scale, implementation="reference")(
+        q, k, v, case.metadata(jnp), jnp.int32(case.layer))
     assert out.dtype == jnp.bfloat16
     rounded = case.__class__(**{**case.__dict__, **{n: np.asarray(jnp.asarray(getattr(case, n), jnp.bfloat16), np.float32) for n in ("q", "k_cache", "v_cache")}})
     expected = numpy_attention(rounded, sm_scale=sm_scale, slot_of_head=(0, 0, 1, 1))
@@ -99,10 +107,10 @@ def test_reference_layer_is_traceable_in_scan():
     def body(carry, layer):
         return carry, ragged_paged_attention_reference(q, k, v, md, layer=layer, sm_scale=0.3)
 
-    _, per_layer = jax.lax.scan(body, None, jnp.arange(3, dtype=jnp.int32))
+    _, per_layer = jax.jit(lambda: jax.lax.scan(body, None, jnp.arange(3, dtype=jnp.int32)))()
+    direct = compiled(ragged_paged_attention_reference, sm_scale=0.3)
     for layer in range(3):
-        direct = ragged_paged_attention_reference(q, k, v, md, layer=layer, sm_scale=0.3)
-        np.testing.assert_allclose(per_layer[layer], direct, atol=1e-6)
+        np.testing.assert_allclose(per_layer[layer], direct(q, k, v, md, jnp.int32(layer)), atol=1e-6)
 
 
 def test_write_kv_cache_writes_exactly_the_slots():
@@ -143,7 +151,7 @@ def test_empty_sequences_and_all_padding():
                            jnp.zeros((2, 3), jnp.int32))
     q = jnp.full((4, 2, 8), 1.0)
     cache = jnp.full((1, 1, 4, 4, 8), jnp.nan)  # nothing may be read
-    out = ragged_paged_attention_reference(q, cache, cache, md, layer=0, sm_scale=1.0)
+    out = compiled(ragged_paged_attention_reference, sm_scale=1.0)(q, cache, cache, md, jnp.int32(0))
     assert (np.asarray(out) == 0).all()
 
 
@@ -155,3 +163,71 @@ def test_bad_arguments_fail_with_a_sentence():
         ragged_paged_attention(*args, layer=0, sm_scale=1.0)
     with pytest.raises(ValueError, match="implementation"):
         ragged_paged_attention(*args, layer=0, sm_scale=1.0, kv_slot_of_head=(0, 1, 1), implementation="cuda")
+
+
+# --- Pallas kernels, interpret mode on the CPU -------------------------------------------
+
+from shiftjax.kernels.pallas_gpu import PallasAttentionConfig, ragged_paged_attention_pallas  # noqa: E402
+
+# Small blocks so that tiny shapes still take several key blocks, decode splits and tiles.
+TINY = PallasAttentionConfig(prefill_rows=16, prefill_block_k=16, decode_block_k=16, decode_splits=2, interpret=True)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2] + SHAPES[3:], ids=str)
+@settings(max_examples=4, deadline=None)
+@given(lengths=ragged_lengths())
+def test_pallas_interpret_matches_reference(shape, lengths):
+    case, slots = make_case(shape, lengths)
+    static = dict(sm_scale=1.0 / np.sqrt(case.q.shape[-1]), kv_slot_of_head=slots)
+    expected = run(ragged_paged_attention_reference, case, **static)
+    # Poisoned: every kernel output starts as NaN, so a row nobody writes stays NaN.
+    out = run(ragged_paged_attention_pallas, case, **static, config=TINY, _poison=True)
+    real = int(case.query_start[-1])
+    assert np.isfinite(out[:real]).all(), "a real token's row was not written"
+    np.testing.assert_allclose(out[:real], expected[:real], atol=2e-5, rtol=2e-5)
+    # The public path: padding rows are zeros, not NaN.
+    out = run(ragged_paged_attention, case, **static, implementation="pallas", config=TINY)
+    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=2e-5)
+    assert (out[real:] == 0).all()
+
+
+def test_pallas_interpret_bf16_and_default_splits():
+    case = random_case(np.random.default_rng(5), q_lens=[1, 17, 1, 1], cached_lens=[40, 3, 0, 70],
+                       q_heads=8, kv_slots=2, head_dim=16, page_size=16, pad_tokens=2)
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (case.q, case.k_cache, case.v_cache))
+    args = (q, k, v, case.metadata(jnp), jnp.int32(case.layer))
+    expected = np.asarray(compiled(ragged_paged_attention_reference, sm_scale=0.25)(*args), np.float32)
+    config = PallasAttentionConfig(prefill_rows=16, prefill_block_k=16, decode_block_k=16, interpret=True)
+    out = compiled(ragged_paged_attention_pallas, sm_scale=0.25, config=config, _poison=True)(*args)
+    assert out.dtype == jnp.bfloat16
+    real = int(case.query_start[-1])
+    out = np.asarray(out, np.float32)[:real]
+    err = np.linalg.norm(out - expected[:real]) / np.linalg.norm(expected[:real])
+    assert err < 2e-2, err
+
+
+@pytest.mark.parametrize("head_dim,page_size,dtype", [(64, 16, jnp.bfloat16), (128, 128, jnp.float32), (64, 128, jnp.bfloat16), (128, 32, jnp.bfloat16)])
+def test_pallas_lowers_to_triton(head_dim, page_size, dtype):
+    """The Triton lowering (not only interpret mode) accepts the supported shapes; checked
+    by lowering for CUDA on this CPU-only machine, which needs no GPU."""
+    tokens, seqs, max_pages, pages, q_heads, kv_slots = 40, 4, 8, 40, 9, 3
+    spec = jax.ShapeDtypeStruct
+    args = (
+        spec((tokens, q_heads, head_dim), dtype),
+        spec((3, kv_slots, pages, page_size, head_dim), dtype),
+        spec((3, kv_slots, pages, page_size, head_dim), dtype),
+        AttentionMetadata(spec((seqs + 1,), jnp.int32), spec((seqs,), jnp.int32), spec((seqs, max_pages), jnp.int32)),
+        spec((), jnp.int32),
+    )
+    fn = jax.jit(lambda q, k, v, md, layer: ragged_paged_attention_pallas(q, k, v, md, layer=layer, sm_scale=0.1))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2  # decode and prefill kernels
+
+
+def test_config_rejects_bad_settings():
+    with pytest.raises(ValueError, match="power of two"):
+        PallasAttentionConfig(prefill_block_k=48)
+    with pytest.raises(ValueError, match="warps"):
+        PallasAttentionConfig(decode_num_warps=3)
+    with pytest.raises(ValueError, match="decode_splits"):
+        PallasAttentionConfig(decode_splits=0)

@@ -1,0 +1,381 @@
+"""Pallas GPU kernels for ragged paged attention: a split-K decode kernel and a prefill kernel.
+
+Backend: Pallas's Triton backend (``pl.pallas_call`` with ``plgpu.CompilerParams``). It is
+deprecated since JAX 0.11 in favour of Mosaic GPU, but it still runs on the H200 under JAX
+0.11.2, it runs in Pallas interpret mode on the CPU (so the CPU tests exercise the same
+kernel bodies), its lowering can be checked on a machine without a GPU, and its
+pointer-per-element loads express page-table gathers directly. A Mosaic GPU port (TMA
+page copies, wgmma, warp specialisation) is the way to the last 10-30% on Hopper and the
+way off the deprecated backend; it was not written for lack of time, not because the
+Triton kernels are the better design.
+
+Both kernels take the whole stacked cache ``[layers, kv_slots, num_pages, page_size,
+head_dim]`` plus the layer index as a one-element int32 array and index the layer inside
+the kernel, so a layer scan never slices (copies) the cache.
+
+Layout. The query heads that share a KV slot are processed together: per slot ``j`` the
+group's heads (padded with copies to ``group``, a power of two, which Triton's tile shapes
+need) are interleaved token-major into rows, ``q_rows[j, t * group + g] = q[t, head(j, g)]``.
+One program then multiplies ``tokens x group`` query rows against each K block it loads,
+so K/V bytes are read once per slot, not once per head.
+
+- Decode (sequences with exactly one new token), grid ``(seqs, kv_slots, splits)``: each
+  program runs online softmax over its share of the context and writes an unnormalised
+  partial (``o``, running max ``m``, sum ``l``); a small XLA combine merges the splits
+  (flash-decoding). Splits are chosen so that the grid fills the GPU when the batch is small.
+- Prefill (sequences with more than one new token), grid ``(tiles, kv_slots)``: a tile is
+  up to ``block_q`` consecutive query tokens of one sequence; flash attention over the
+  sequence's pages, causal mask only on the blocks that cross the diagonal; rows are
+  stored with a mask, so tiles of neighbouring sequences never overwrite each other.
+
+One ``ragged_paged_attention_pallas`` call launches both for a mixed batch; each kernel's
+programs whose sequence belongs to the other path exit at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Float, Int
+
+from .metadata import AttentionMetadata, heads_by_slot, kv_slot_map
+
+# Finite, so that exp(mask - m) is 0 without inf - inf; every block a program visits has
+# at least one visible key for its real rows, so masked logits never win a row max.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+_SM_COUNT_H200 = 132
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasAttentionConfig:
+    """Tuning knobs of the two kernels; checked at construction.
+
+    prefill_rows: query rows (tokens x group heads) per prefill program; the tile holds
+        ``prefill_rows // group`` tokens.
+    prefill_block_k / decode_block_k: keys per inner step (a multiple of the page size;
+        a page larger than the block is taken whole).
+    decode_splits: context splits per decode sequence; ``None`` picks enough programs to
+        fill about twice the GPU's multiprocessors.
+    """
+
+    prefill_rows: int = 128
+    prefill_block_k: int = 64
+    prefill_num_warps: int = 8
+    prefill_num_stages: int = 3
+    decode_block_k: int = 128
+    decode_splits: int | None = None
+    decode_num_warps: int = 4
+    decode_num_stages: int = 3
+    interpret: bool = False
+
+    def __post_init__(self):
+        for name in ("prefill_rows", "prefill_block_k", "decode_block_k"):
+            value = getattr(self, name)
+            if not _is_power_of_two(value) or value < 16:
+                raise ValueError(
+                    f"PallasAttentionConfig.{name}={value}: Triton tiles need a power of two "
+                    "of at least 16."
+                )
+        for name in ("prefill_num_warps", "decode_num_warps"):
+            value = getattr(self, name)
+            if value not in (1, 2, 4, 8, 16):
+                raise ValueError(f"PallasAttentionConfig.{name}={value}: use 1, 2, 4, 8 or 16 warps.")
+        for name in ("prefill_num_stages", "decode_num_stages"):
+            if not 1 <= getattr(self, name) <= 6:
+                raise ValueError(f"PallasAttentionConfig.{name}={getattr(self, name)}: use 1 to 6 stages.")
+        if self.decode_splits is not None and self.decode_splits < 1:
+            raise ValueError(f"PallasAttentionConfig.decode_splits={self.decode_splits}: use None or >= 1.")
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _online_softmax_step(q, k, v, carry, mask, sm_scale):
+    """One flash step: fold a [rows, block_k] block of logits into (o, m, l)."""
+    o, m, l = carry
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    s = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale  # f32 [rows, block_k]
+    if mask is not None:
+        s = jnp.where(mask, s, _MASK_VALUE)
+    m_next = jnp.maximum(m, s.max(axis=1))
+    correction = jnp.exp(m - m_next)
+    p = jnp.exp(s - m_next[:, None])
+    l_next = l * correction + p.sum(axis=1)
+    o_next = o * correction[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+    return o_next, m_next, l_next
+
+
+def _load_block(cache_ref, layer, slot, page_table_ref, seq, block, pages_per_block, block_k):
+    """Keys ``block * block_k ..`` of sequence ``seq``: [block_k, head_dim], via its pages."""
+    pages = page_table_ref[seq, pl.ds(block * pages_per_block, pages_per_block)]
+    return cache_ref[layer, slot, pages].reshape(block_k, cache_ref.shape[-1])
+
+
+def _decode_kernel(
+    query_start_ref, seq_lens_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref,
+    o_ref, m_ref, l_ref, *, group, rows, pages_per_block, blocks_per_split, sm_scale,
+):
+    seq, slot, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    block_k = pages_per_block * k_ref.shape[-2]
+    head_dim = q_ref.shape[-1]
+    start = query_start_ref[seq]
+    is_decode = query_start_ref[seq + 1] - start == 1
+    kv_len = seq_lens_ref[seq]
+    first = split * blocks_per_split
+    last = jnp.minimum(first + blocks_per_split, pl.cdiv(kv_len, block_k))
+    last = jnp.where(is_decode, last, first)
+    full = jnp.clip(kv_len // block_k, first, last)  # blocks with every key visible
+    layer = layer_ref[0]
+
+    carry = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), _MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+
+    @pl.when(last > first)
+    def _():
+        q = q_ref[slot, pl.ds(start * group, rows), :]
+
+        def step(block, carry, masked):
+            k = _load_block(k_ref, layer, slot, page_table_ref, seq, block, pages_per_block, block_k)
+            v = _load_block(v_ref, layer, slot, page_table_ref, seq, block, pages_per_block, block_k)
+            mask = None
+            if masked:
+                key_pos = block * block_k + jnp.arange(block_k, dtype=jnp.int32)
+                mask = jnp.broadcast_to((key_pos < kv_len)[None, :], (rows, block_k))
+            return _online_softmax_step(q, k, v, carry, mask, sm_scale)
+
+        out = lax.fori_loop(first, full, functools.partial(step, masked=False), carry)
+        o, m, l = lax.fori_loop(full, last, functools.partial(step, masked=True), out)
+        o_ref[...] = o
+        m_ref[...] = m
+        l_ref[...] = l
+
+    @pl.when(last <= first)
+    def _():
+        o, m, l = carry
+        o_ref[...] = o
+        m_ref[...] = m
+        l_ref[...] = l
+
+
+def _prefill_kernel(
+    tile_seq_ref, tile_token0_ref, tile_pos0_ref, tile_rows_ref, page_table_ref, layer_ref,
+    q_ref, k_ref, v_ref, out_init_ref, out_ref, *, group, block_q, pages_per_block, sm_scale,
+):
+    del out_init_ref  # aliased with out_ref: rows no tile owns keep their initial value
+    tile, slot = pl.program_id(0), pl.program_id(1)
+    block_k = pages_per_block * k_ref.shape[-2]
+    head_dim = q_ref.shape[-1]
+    rows = block_q * group
+    num_rows = tile_rows_ref[tile]
+
+    @pl.when(num_rows > 0)
+    def _():
+        seq = tile_seq_ref[tile]
+        token0 = tile_token0_ref[tile]
+        pos0 = tile_pos0_ref[tile]
+        layer = layer_ref[0]
+        q = q_ref[slot, pl.ds(token0 * group, rows), :]
+        row_token = jnp.arange(rows, dtype=jnp.int32) // group
+        row_pos = pos0 + row_token
+        # Blocks whose every key is at or before the tile's first position need no mask.
+        full = (pos0 + 1) // block_k
+        end = pl.cdiv(pos0 + num_rows, block_k)
+
+        def step(block, carry, masked):
+            k = _load_block(k_ref, layer, slot, page_table_ref, seq, block, pages_per_block, block_k)
+            v = _load_block(v_ref, layer, slot, page_table_ref, seq, block, pages_per_block, block_k)
+            mask = None
+            if masked:
+                key_pos = block * block_k + jnp.arange(block_k, dtype=jnp.int32)
+                mask = key_pos[None, :] <= row_pos[:, None]
+            return _online_softmax_step(q, k, v, carry, mask, sm_scale)
+
+        carry = (
+            jnp.zeros((rows, head_dim), jnp.float32),
+            jnp.full((rows,), _MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32),
+        )
+        carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+        o, _, l = lax.fori_loop(full, end, functools.partial(step, masked=True), carry)
+        o = o / l[:, None]
+        row_valid = (row_token < num_rows)[:, None]
+        plgpu.store(
+            out_ref.at[slot, pl.ds(token0 * group, rows), :],
+            o.astype(out_ref.dtype),
+            mask=jnp.broadcast_to(row_valid, (rows, head_dim)),
+        )
+
+
+def _prefill_tiles(metadata: AttentionMetadata, block_q: int, num_tiles: int):
+    """Tiles of up to ``block_q`` consecutive query tokens of one prefill sequence.
+
+    Per tile: sequence, first token, first token's position, real rows (0 for spare
+    tiles and for tiles of decode sequences, which the decode kernel takes).
+    """
+    query_start = metadata.query_start.astype(jnp.int32)
+    num_seqs = metadata.seq_lens.shape[0]
+    q_len = query_start[1:] - query_start[:-1]
+    tiles_per_seq = jnp.where(q_len > 1, (q_len + block_q - 1) // block_q, 0)
+    tiles_end = jnp.cumsum(tiles_per_seq)
+    w = jnp.arange(num_tiles, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(tiles_end, w, side="right"), num_seqs - 1).astype(jnp.int32)
+    index = w - (tiles_end[seq] - tiles_per_seq[seq])
+    token0 = query_start[seq] + index * block_q
+    rows = jnp.clip(query_start[seq + 1] - token0, 0, block_q)
+    rows = jnp.where(w < tiles_end[num_seqs - 1], rows, 0)
+    pos0 = metadata.seq_lens[seq] - q_len[seq] + index * block_q
+    return seq, token0, pos0, rows.astype(jnp.int32)
+
+
+def ragged_paged_attention_pallas(
+    q: Float[Array, "tokens q_heads head_dim"],
+    k_cache: Float[Array, "layers kv_slots num_pages page_size head_dim"],
+    v_cache: Float[Array, "layers kv_slots num_pages page_size head_dim"],
+    metadata: AttentionMetadata,
+    *,
+    layer: Int[Array, ""] | int,
+    sm_scale: float,
+    kv_slot_of_head: Sequence[int] | None = None,
+    config: PallasAttentionConfig | None = None,
+    _poison: bool = False,
+) -> Float[Array, "tokens q_heads head_dim"]:
+    """The Pallas path of ``ragged_paged_attention`` (same contract).
+
+    ``_poison`` (tests only) fills every kernel output with NaN before the kernels run, so
+    a row a kernel should write and does not shows up; padding rows then stay NaN.
+    """
+    config = config or PallasAttentionConfig()
+    num_tokens, q_heads, head_dim = q.shape
+    _, kv_slots, _, page_size, _ = k_cache.shape
+    num_seqs, max_pages = metadata.page_table.shape
+    if not _is_power_of_two(head_dim) or not _is_power_of_two(page_size):
+        raise ValueError(
+            f"head_dim={head_dim} and page_size={page_size}: the Pallas kernels need powers of "
+            "two (Triton tile shapes); use implementation='reference' otherwise."
+        )
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q is {q.dtype} but the caches are {k_cache.dtype}/{v_cache.dtype}; use one dtype.")
+    groups = heads_by_slot(kv_slot_map(q_heads, kv_slots, kv_slot_of_head), kv_slots)
+    group = _next_power_of_two(max(len(heads) for heads in groups))
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+
+    # Rows: q_rows[slot, token * group + g] = q[token, groups[slot][g]] (padded groups repeat
+    # a head of the slot, or head 0 for a slot no head reads; their rows are dropped).
+    head_of_row = [[(heads[g] if g < len(heads) else (heads[0] if heads else 0)) for g in range(group)] for heads in groups]
+    block_q = max(1, config.prefill_rows // group)
+    decode_rows = max(16, group)
+    pad_tokens = max(block_q, -(-decode_rows // group))
+    q_rows = q[:, jnp.array(head_of_row)]  # [T, kv, group, D]
+    q_rows = jnp.pad(q_rows, ((0, pad_tokens), (0, 0), (0, 0), (0, 0)))
+    q_rows = q_rows.transpose(1, 0, 2, 3).reshape(kv_slots, (num_tokens + pad_tokens) * group, head_dim)
+
+    def pages_per_block(block_k):
+        return max(1, block_k // page_size)
+
+    # Pad the page table so every block's page slice is in bounds (page 0 is valid).
+    lcm_pages = math.lcm(pages_per_block(config.prefill_block_k), pages_per_block(config.decode_block_k))
+    page_table = jnp.pad(metadata.page_table.astype(jnp.int32), ((0, 0), (0, -max_pages % lcm_pages)))
+    query_start = metadata.query_start.astype(jnp.int32)
+    seq_lens = metadata.seq_lens.astype(jnp.int32)
+
+    # --- decode ---
+    d_ppb = pages_per_block(config.decode_block_k)
+    d_blocks = -(-max_pages // d_ppb)
+    splits = config.decode_splits
+    if splits is None:
+        splits = _next_power_of_two(max(1, -(-2 * _SM_COUNT_H200 // (num_seqs * kv_slots))))
+    splits = min(splits, d_blocks)
+    blocks_per_split = -(-d_blocks // splits)
+    splits = -(-d_blocks // blocks_per_split)
+    part_shapes = [
+        jax.ShapeDtypeStruct((num_seqs, kv_slots, splits, decode_rows, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((num_seqs, kv_slots, splits, decode_rows), jnp.float32),
+        jax.ShapeDtypeStruct((num_seqs, kv_slots, splits, decode_rows), jnp.float32),
+    ]
+    decode_args = [query_start, seq_lens, page_table, layer, q_rows, k_cache, v_cache]
+    decode_aliases = {}
+    if _poison:
+        decode_aliases = {len(decode_args) + i: i for i in range(3)}
+        decode_args += [jnp.full(s.shape, jnp.nan, s.dtype) for s in part_shapes]
+    decode_kernel = functools.partial(
+        _decode_kernel, group=group, rows=decode_rows, pages_per_block=d_ppb,
+        blocks_per_split=blocks_per_split, sm_scale=sm_scale,
+    )
+    if _poison:
+        inner = decode_kernel
+        decode_kernel = lambda *refs: inner(*refs[:7], *refs[10:])  # noqa: E731 (skip the aliased inits)
+    o_part, m_part, l_part = pl.pallas_call(
+        decode_kernel,
+        grid=(num_seqs, kv_slots, splits),
+        in_specs=[pl.no_block_spec] * len(decode_args),
+        out_specs=[
+            pl.BlockSpec((None, None, None, decode_rows, head_dim), lambda b, j, s: (b, j, s, 0, 0)),
+            pl.BlockSpec((None, None, None, decode_rows), lambda b, j, s: (b, j, s, 0)),
+            pl.BlockSpec((None, None, None, decode_rows), lambda b, j, s: (b, j, s, 0)),
+        ],
+        out_shape=part_shapes,
+        input_output_aliases=decode_aliases,
+        compiler_params=plgpu.CompilerParams(
+            num_warps=config.decode_num_warps, num_stages=config.decode_num_stages
+        ),
+        interpret=config.interpret,
+        name="ragged_paged_attention_decode",
+    )(*decode_args)
+    # Merge the splits (flash-decoding); rows beyond the group belong to other tokens.
+    o_part, m_part, l_part = o_part[..., :group, :], m_part[..., :group], l_part[..., :group]
+    m_max = m_part.max(axis=2, keepdims=True)
+    weight = jnp.exp(m_part - m_max)
+    l_sum = (weight * l_part).sum(axis=2)
+    decode_out = (weight[..., None] * o_part).sum(axis=2) / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
+
+    # --- prefill ---
+    p_ppb = pages_per_block(config.prefill_block_k)
+    num_tiles = min(-(-num_tokens // block_q) + num_seqs, num_tokens)
+    tiles = _prefill_tiles(metadata, block_q, num_tiles)
+    fill = jnp.nan if _poison else 0.0
+    out_init = jnp.full((kv_slots, (num_tokens + pad_tokens) * group, head_dim), fill, q.dtype)
+    prefill_args = [*tiles, page_table, layer, q_rows, k_cache, v_cache, out_init]
+    out_rows = pl.pallas_call(
+        functools.partial(
+            _prefill_kernel, group=group, block_q=block_q, pages_per_block=p_ppb, sm_scale=sm_scale,
+        ),
+        grid=(num_tiles, kv_slots),
+        in_specs=[pl.no_block_spec] * len(prefill_args),
+        out_specs=pl.no_block_spec,
+        out_shape=jax.ShapeDtypeStruct(out_init.shape, q.dtype),
+        input_output_aliases={len(prefill_args) - 1: 0},
+        compiler_params=plgpu.CompilerParams(
+            num_warps=config.prefill_num_warps, num_stages=config.prefill_num_stages
+        ),
+        interpret=config.interpret,
+        name="ragged_paged_attention_prefill",
+    )(*prefill_args)
+
+    # Back to [T, q_heads, D]: head h is row (slot, index within its group).
+    where = {h: (j, g) for j, heads in enumerate(groups) for g, h in enumerate(heads)}
+    slot_idx = jnp.array([where[h][0] for h in range(q_heads)])
+    group_idx = jnp.array([where[h][1] for h in range(q_heads)])
+    out = out_rows.reshape(kv_slots, num_tokens + pad_tokens, group, head_dim)
+    out = out[slot_idx, :num_tokens + 1, group_idx].transpose(1, 0, 2)  # [T + 1, H, D]
+    decode_heads = decode_out[:, slot_idx, group_idx].astype(q.dtype)  # [B, H, D]
+    is_decode = query_start[1:] - query_start[:-1] == 1
+    # Non-decode sequences write to row T, a scratch row sliced off below.
+    dest = jnp.where(is_decode, query_start[:-1], num_tokens)
+    out = out.at[dest].set(decode_heads)
+    return out[:num_tokens]
