@@ -1,0 +1,106 @@
+"""Pallas attention kernels compiled for the GPU, against the reference on the same GPU.
+
+Run on the H200 by ``benchmarks/run_gpu_kernels.sh``; skipped without a CUDA device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shiftjax.kernels import ragged_paged_attention, ragged_paged_attention_reference
+from shiftjax.kernels import reference as _reference
+from shiftjax.kernels.pallas_gpu import PallasAttentionConfig, ragged_paged_attention_pallas
+from shiftjax.kernels.testing import random_case
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU (JAX_PLATFORMS=cuda)"),
+]
+
+# (q_heads, kv_slots, kv_slot_of_head, head_dim, page_size, dtype)
+SHAPES = [
+    (32, 8, None, 128, 16, jnp.bfloat16),  # Llama-3-8B on one GPU
+    (8, 1, None, 128, 64, jnp.bfloat16),  # Llama-3-70B TP-8 shard
+    (9, 3, None, 64, 128, jnp.float32),  # SmolLM2-135M, f32
+    (5, 2, (0, 0, 0, 1, 1), 64, 32, jnp.bfloat16),  # uneven GQA groups
+    (4, 4, None, 128, 16, jnp.float32),  # MHA
+]
+SEQS, MAX_Q, MAX_CACHED = 6, 300, 700
+# The reference is the oracle here; on the GPU it may hold more at once (faster compile).
+_reference._CHUNK_BUDGET_BYTES = 2 << 30
+CONFIGS = [PallasAttentionConfig(), PallasAttentionConfig(decode_splits=3, decode_block_k=64, prefill_rows=64)]
+
+
+@st.composite
+def ragged_lengths(draw):
+    q_lens = draw(st.lists(st.sampled_from([0, 1, 1, 2, 17, 64, 300]) | st.integers(0, MAX_Q), min_size=SEQS, max_size=SEQS))
+    cached = draw(st.lists(st.integers(0, MAX_CACHED), min_size=SEQS, max_size=SEQS))
+    cached = [c if n else 0 for c, n in zip(cached, q_lens)]
+    return q_lens, cached, draw(st.integers(0, 2**31 - 1))
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(fn, **static):
+    return jax.jit(lambda q, k, v, md, layer: fn(q, k, v, md, layer=layer, **dict(static)))
+
+
+def relative_error(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["default", "small_blocks"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv_d{s[3]}_p{s[4]}_{jnp.dtype(s[5]).name}")
+@settings(max_examples=3, deadline=None)
+@given(lengths=ragged_lengths())
+def test_pallas_matches_reference_on_gpu(shape, config, lengths):
+    q_heads, kv_slots, slots, head_dim, page_size, dtype = shape
+    q_lens, cached, seed = lengths
+    max_pages = -(-(MAX_Q + MAX_CACHED) // page_size)
+    case = random_case(
+        np.random.default_rng(seed), q_lens=q_lens, cached_lens=cached, q_heads=q_heads, kv_slots=kv_slots,
+        head_dim=head_dim, page_size=page_size, layers=3, num_tokens=SEQS * MAX_Q + 5,
+        max_pages=max_pages, num_pages=1 + SEQS * max_pages + 3,
+    )
+    args = (*(jnp.asarray(x, dtype) for x in (case.q, case.k_cache, case.v_cache)), case.metadata(jnp), jnp.int32(case.layer))
+    static = dict(sm_scale=1.0 / np.sqrt(head_dim), kv_slot_of_head=slots)
+    expected = np.asarray(compiled(ragged_paged_attention_reference, **static)(*args), np.float32)
+    poisoned = np.asarray(compiled(ragged_paged_attention_pallas, **static, config=config, _poison=True)(*args), np.float32)
+    real = int(case.query_start[-1])
+    assert np.isfinite(poisoned[:real]).all(), "a real token's row was not written"
+    tol = 1e-4 if dtype == jnp.float32 else 2e-2
+    if real:
+        assert relative_error(poisoned[:real], expected[:real]) < tol
+    out = np.asarray(compiled(ragged_paged_attention, **static, implementation="auto", config=config)(*args), np.float32)
+    assert (out[real:] == 0).all(), "padding tokens must give zeros"
+    if real:
+        assert relative_error(out[:real], expected[:real]) < tol
+
+
+def test_layer_scan_on_gpu():
+    case = random_case(np.random.default_rng(1), q_lens=[1, 40, 1], cached_lens=[500, 30, 0], q_heads=8,
+                       kv_slots=2, head_dim=128, page_size=16, layers=4)
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (case.q, case.k_cache, case.v_cache))
+    md = case.metadata(jnp)
+
+    @jax.jit
+    def per_layer(q, k, v, md):
+        def body(carry, layer):
+            return carry, ragged_paged_attention(q, k, v, md, layer=layer, sm_scale=0.1, implementation="pallas")
+        return jax.lax.scan(body, None, jnp.arange(4, dtype=jnp.int32))[1]
+
+    got = per_layer(q, k, v, md)
+    for layer in range(4):
+        want = compiled(ragged_paged_attention_reference, sm_scale=0.1)(q, k, v, md, jnp.int32(layer))
+        assert relative_error(got[layer], want) < 2e-2
+    hlo = per_layer.lower(q, k, v, md).compile().as_text()
+    cache_type = "bf16[" + ",".join(map(str, k.shape)) + "]"
+    assert not [line for line in hlo.splitlines() if cache_type in line and (" copy(" in line or "dynamic-slice(" in line)], \
+        "the layer scan copies or slices the cache"
