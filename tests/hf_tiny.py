@@ -7,7 +7,9 @@ the model, so a test can compare shiftjax against ``transformers`` on the same w
 
 from __future__ import annotations
 
+import functools
 import json
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -154,3 +156,24 @@ def write_tiny_tokenizer(hf_dir, vocab_size: int) -> None:
 def hf_state_dict_numpy(model) -> dict[str, np.ndarray]:
     """The model's tensors as float32 numpy arrays, keyed by Hugging Face name."""
     return {name: t.detach().cpu().float().numpy() for name, t in model.state_dict().items()}
+
+
+@functools.lru_cache(maxsize=1)
+def load_hf_smollm2_gguf():
+    """``(model, tokenizer)``: transformers' own reading of the default model's GGUF file
+    (float32), loaded once per test process and shared by every test module that asks.
+
+    Also pins torch to one thread: with two, torch's CPU forward of this model took 3.7 s
+    instead of 0.22 s on the 2-core test machine (threads fighting XLA's and each other).
+    """
+    import torch
+    import transformers
+
+    from shiftjax.checkpoints.default_model import default_gguf_path
+
+    torch.set_num_threads(1)
+    directory = Path(tempfile.mkdtemp(prefix="smollm2-gguf-"))
+    (directory / "model.gguf").symlink_to(default_gguf_path())
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file="model.gguf", dtype="float32")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file="model.gguf")
+    return model.eval(), tokenizer

@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
+from hf_tiny import load_hf_smollm2_gguf
 from shiftjax.checkpoints import CheckpointError, default_model_path, load_checkpoint, load_tokenizer
-from shiftjax.checkpoints.default_model import default_gguf_path
 from shiftjax.checkpoints.gguf_import import import_gguf, unpermute_rotary_rows
 
 PROMPTS = [
@@ -31,26 +31,14 @@ def smollm2_checkpoint():
 
 
 @pytest.fixture(scope="session")
-def hf_gguf_dir(tmp_path_factory):
-    """A directory holding (a link to) the GGUF file, as transformers wants it."""
-    directory = tmp_path_factory.mktemp("smollm2-gguf")
-    (directory / "model.gguf").symlink_to(default_gguf_path())
-    return directory
-
-
-@pytest.fixture(scope="session")
-def hf_gguf_state_dict(hf_gguf_dir):
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        hf_gguf_dir, gguf_file="model.gguf", dtype="float32"
-    )
+def hf_gguf_state_dict():
+    model, _ = load_hf_smollm2_gguf()
     return {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
 
 
 @pytest.fixture(scope="session")
-def hf_gguf_tokenizer(hf_gguf_dir):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(hf_gguf_dir, gguf_file="model.gguf")
+def hf_gguf_tokenizer():
+    return load_hf_smollm2_gguf()[1]
 
 
 def test_weights_equal_transformers_gguf_loader(smollm2_checkpoint, hf_gguf_state_dict):
