@@ -5,12 +5,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shiftjax.checkpoints.default_model import default_model_path
-from shiftjax.checkpoints.load import load_checkpoint, load_config, load_tokenizer
+from shiftjax.checkpoints.load import load_checkpoint, load_tokenizer
 from shiftjax.layouts.mesh import make_mesh
 from shiftjax.serving.engine import Engine, EngineConfig
 from shiftjax.serving.sampling_params import SamplingParams
@@ -42,13 +41,11 @@ class LLM:
                  weight_storage: str = "aliased", devices=None, **engine_options):
         path = default_model_path() if model == "default" else model
         self.path = path
-        config = load_config(path)
         self.mesh = make_mesh(sp, tp, devices)
         # Canonical weights land replicated on the mesh and are expanded there into blocks;
         # multi-process meshes need global arrays, which a restore with shardings gives.
         replicated = NamedSharding(self.mesh, P())
-        shardings = jax.tree.map(lambda _: replicated, _abstract_params(config))
-        self.config, params = load_checkpoint(path, dtype=dtype, shardings=shardings)
+        self.config, params = load_checkpoint(path, dtype=dtype, shardings=replicated)
         self.weights = shard_params(params, self.config, self.mesh, weight_storage)
         del params
         self.tokenizer = load_tokenizer(path)
@@ -93,8 +90,3 @@ class LLM:
             for r in requests
         ]
 
-
-def _abstract_params(config):
-    from shiftjax.params import param_shapes, params_from_flat
-
-    return params_from_flat({name: 0 for name in param_shapes(config)})

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 from flax import struct
-from jaxtyping import Array, Float, Int
+from jaxtyping import Float, Int
+
+# A batch is built on the host (numpy), compiled against as ShapeDtypeStructs and run as
+# device arrays; the annotations check shapes and dtypes in all three forms.
+BatchArray = jax.Array | np.ndarray | jax.ShapeDtypeStruct
 
 
 @struct.dataclass
@@ -18,17 +23,17 @@ class StepBatch:
     tokens do not depend on what else is in the batch.
     """
 
-    token_ids: Int[Array, "tokens"]
-    positions: Int[Array, "tokens"]
-    slot_mapping: Int[Array, "tokens"]
-    query_start: Int[Array, "seqs_plus_one"]
-    seq_lens: Int[Array, "seqs"]
-    page_table: Int[Array, "seqs max_pages"]
-    sample_index: Int[Array, "seqs"]
-    temperature: Float[Array, "seqs"]
-    top_p: Float[Array, "seqs"]
-    top_k: Int[Array, "seqs"]
-    seed: Int[Array, "seqs"]
+    token_ids: Int[BatchArray, "tokens"]
+    positions: Int[BatchArray, "tokens"]
+    slot_mapping: Int[BatchArray, "tokens"]
+    query_start: Int[BatchArray, "seqs_plus_one"]
+    seq_lens: Int[BatchArray, "seqs"]
+    page_table: Int[BatchArray, "seqs max_pages"]
+    sample_index: Int[BatchArray, "seqs"]
+    temperature: Float[BatchArray, "seqs"]
+    top_p: Float[BatchArray, "seqs"]
+    top_k: Int[BatchArray, "seqs"]
+    seed: Int[BatchArray, "seqs"]
 
     @property
     def num_tokens(self) -> int:

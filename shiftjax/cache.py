@@ -55,4 +55,4 @@ def allocate_cache(mesh: Mesh, num_layers: int, kv_slots: int, head_dim: int, ca
     def zeros():
         return KVCache(k=jnp.zeros(shape, cache.dtype), v=jnp.zeros(shape, cache.dtype))
 
-    return jax.jit(zeros, out_shardings=KVCache(k=sharding, v=sharding))()
+    return jax.jit(zeros, out_shardings=sharding)()

@@ -42,7 +42,11 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", ret
     inv_freq = tuple(rope_inverse_frequencies(config))
     layer_fn = tp_layer if mode == "tp" else sp_layer
 
-    def local_step(params: ShardedParams, k_cache, v_cache, batch: StepBatch):
+    view = params_for(weights, mode)
+    param_leaves, param_tree = jax.tree.flatten(view)
+
+    def local_step(param_leaves, k_cache, v_cache, batch: StepBatch):
+        params: ShardedParams = param_tree.unflatten(param_leaves)
         ctx = Context(dims, config.rms_norm_eps, jnp.asarray(inv_freq, jnp.float32), batch, attention)
         x = embed_tokens(batch.token_ids, params.embed, dims)
         if mode == "sp":
@@ -66,7 +70,7 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", ret
         return outputs, k_cache, v_cache
 
     # Specs are read off the placed arrays, so they cannot disagree with the data.
-    param_specs = jax.tree.map(lambda a: a.sharding.spec, params_for(weights, mode))
+    param_specs = [leaf.sharding.spec for leaf in param_leaves]
     cache = cache_spec()
     sharded = jax.shard_map(
         local_step, mesh=mesh,
@@ -78,7 +82,7 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", ret
     def step(params: ShardedParams, caches: KVCache, batch: StepBatch):
         if mode == "sp" and batch.num_tokens % dims.sp:
             raise ValueError(f"SP mode needs a token count divisible by sp={dims.sp}, got {batch.num_tokens}")
-        outputs, k, v = sharded(params, caches.k, caches.v, batch)
+        outputs, k, v = sharded(jax.tree.leaves(params), caches.k, caches.v, batch)
         return StepOutput(*outputs), KVCache(k=k, v=v)
 
     return jax.jit(step, donate_argnums=(1,))
