@@ -189,12 +189,25 @@ def _numpy_dtype(dtype: str):
 
 
 def save_params(flat: dict[str, np.ndarray], params_dir: Path) -> None:
-    """Writes the canonical Params pytree with Orbax's StandardCheckpointer."""
-    import orbax.checkpoint as ocp
+    """Writes the canonical tree so that ``StandardCheckpointer().restore`` reads it.
 
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(Path(params_dir).absolute(), nest(flat))
-        checkpointer.wait_until_finished()
+    Orbax's default numpy handler deep-copies every host array before writing (so an
+    async save may return early): a second copy of the whole model. Measured here with
+    430 MB of arrays: peak RSS +420 MB with StandardCheckpointer (also with
+    save_concurrent_gb=1), +0 with this synchronous save without the copy. Nothing
+    touches the arrays while it runs, so the copy buys nothing.
+    """
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint import type_handlers
+
+    registry = type_handlers.create_type_handler_registry(
+        (np.ndarray, type_handlers.NumpyHandler(deepcopy_host_arrays=False))
+    )
+    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry))
+    try:
+        checkpointer.save(Path(params_dir).absolute(), args=ocp.args.PyTreeSave(nest(flat)))
+    finally:
+        checkpointer.close()
 
 
 def convert_hf_checkpoint(
