@@ -84,6 +84,10 @@ def list_tensors(hf_dir: Path) -> dict[str, TensorEntry]:
         files = sorted(set(weight_map.values()))
     else:
         files = sorted(p.name for p in hf_dir.glob("*.safetensors"))
+        if len(files) > 1 and "model.safetensors" in files:
+            # e.g. Mistral repositories also ship consolidated.safetensors (mistral-inference's
+            # names); transformers reads model.safetensors.
+            files = ["model.safetensors"]
         if not files:
             raise CheckpointError(f"{hf_dir} has no *.safetensors file and no {INDEX_FILE}")
         if len(files) > 1:

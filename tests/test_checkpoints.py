@@ -234,6 +234,17 @@ def test_unknown_dtype_and_extra_tensors(tiny, tmp_path):
     assert convert_hf_checkpoint(hf_dir, tmp_path / "out", dtype="float32").is_dir()
 
 
+def test_tied_checkpoint_with_saved_head_and_stray_files(tiny, tmp_path):
+    hf_dir, state = copy_hf(tiny, tmp_path, kind="tied")
+    # Some exporters save the tied head anyway; the embedding stays the truth.
+    rewrite_single_file(hf_dir, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"] + 1}))
+    # Mistral repositories ship consolidated.safetensors beside model.safetensors.
+    save_file({"tok_embeddings.weight": np.zeros((4, 4), np.float32)}, hf_dir / "consolidated.safetensors")
+    config, params = load_checkpoint(convert_hf_checkpoint(hf_dir, tmp_path / "out", dtype="float32"))
+    assert params.lm_head is None
+    np.testing.assert_array_equal(np.asarray(params.embed), state["model.embed_tokens.weight"])
+
+
 def test_failure_while_writing_leaves_nothing(tiny, tmp_path, monkeypatch):
     from shiftjax.checkpoints import convert
 

