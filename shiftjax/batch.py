@@ -7,11 +7,14 @@ import numpy as np
 from flax import struct
 from jaxtyping import Float, Int
 
+from shiftjax.pytrees import unchecked_init
+
 # A batch is built on the host (numpy), compiled against as ShapeDtypeStructs and run as
 # device arrays; the annotations check shapes and dtypes in all three forms.
 BatchArray = jax.Array | np.ndarray | jax.ShapeDtypeStruct
 
 
+@unchecked_init
 @struct.dataclass
 class StepBatch:
     """One step's tokens (prefill chunks and decode tokens mixed) and per-sequence data.

@@ -19,10 +19,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shiftjax.layouts.mesh import HEAD_AXES
+from shiftjax.pytrees import unchecked_init
 
 SCRATCH_PAGE = 0
 
 
+@unchecked_init
 @struct.dataclass
 class KVCache:
     k: jax.Array

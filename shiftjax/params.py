@@ -16,8 +16,10 @@ from flax import struct
 from jaxtyping import Array, Float
 
 from shiftjax.config import ModelConfig
+from shiftjax.pytrees import unchecked_init
 
 
+@unchecked_init
 @struct.dataclass
 class LayerParams:
     """One decoder layer's weights, stacked over layers on axis 0."""
@@ -36,6 +38,7 @@ class LayerParams:
     bv: Float[Array, "layers kv_features"] | None = None
 
 
+@unchecked_init
 @struct.dataclass
 class Params:
     """All weights of a Llama-family decoder; ``lm_head`` is None when tied to ``embed``."""

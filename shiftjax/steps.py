@@ -20,7 +20,16 @@ from shiftjax.batch import StepBatch
 from shiftjax.cache import KVCache, cache_spec
 from shiftjax.config import rope_inverse_frequencies
 from shiftjax.layouts.mesh import SP
-from shiftjax.model import Context, embed_tokens, lm_logits, rms_norm, run_layers, sp_layer, tp_layer
+from shiftjax.model import (
+    Context,
+    embed_tokens,
+    lm_logits,
+    rms_norm,
+    run_layers,
+    sp_layer,
+    tp_layer,
+)
+from shiftjax.pytrees import unchecked_init
 from shiftjax.sampling import sample
 from shiftjax.weights import ModelWeights, ShardedParams
 
@@ -28,6 +37,7 @@ Mode = Literal["tp", "sp"]
 MODES = ("tp", "sp")
 
 
+@unchecked_init
 @struct.dataclass
 class StepOutput:
     packed: jax.Array  # [seqs, 2] int32: sampled token, bit pattern of its float32 log-prob

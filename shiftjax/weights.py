@@ -21,6 +21,7 @@ from shiftjax.layouts import blocks as blk
 from shiftjax.layouts.heads import HeadLayout, head_layout
 from shiftjax.layouts.mesh import HEAD_AXES, SP, TP
 from shiftjax.params import Params
+from shiftjax.pytrees import unchecked_init
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,7 @@ def local_dims(config: ModelConfig, layout: HeadLayout) -> LocalDims:
     )
 
 
+@unchecked_init
 @struct.dataclass
 class LayerWeights:
     """Stacked layer weights of one mode. Block weights are ``[layers, P, ...]`` arrays in
@@ -76,6 +78,7 @@ class LayerWeights:
     bqkv: jax.Array | None  # [layers, P, qkv], added after the all-to-all in SP mode
 
 
+@unchecked_init
 @struct.dataclass
 class ShardedParams:
     embed: jax.Array  # [vocab_padded, d_model], vocabulary over the head axes

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jaxtyping
 import pytest
 
 from hf_tiny import load_hf_smollm2_gguf
@@ -14,16 +13,6 @@ PROMPTS = [
     "The three primary colors are",
 ]
 NEW_TOKENS = 20
-
-# Under the tests' jaxtyping import hook, serving's ahead-of-time lowering builds
-# shiftjax.weights.LayerWeights from jax ArgInfo leaves, which its Array annotations reject
-# (a TypeCheckError at setup; the same code passes without the hook). Not strict, so the
-# tests count again as soon as that is fixed; a token mismatch still fails.
-_HOOK_CLASH = pytest.mark.xfail(
-    raises=jaxtyping.TypeCheckError, strict=False,
-    reason="serving's AOT lowering vs the jaxtyping test hook (LayerWeights of ArgInfo)",
-)
-
 
 @pytest.fixture(scope="module")
 def llm():
@@ -40,7 +29,6 @@ def hf_model_and_tokenizer():
 
 
 @pytest.mark.slow
-@_HOOK_CLASH
 def test_greedy_continuations_match_transformers(llm, hf_model_and_tokenizer):
     import torch
 
@@ -60,7 +48,6 @@ def test_greedy_continuations_match_transformers(llm, hf_model_and_tokenizer):
 
 
 @pytest.mark.slow
-@_HOOK_CLASH
 def test_chat_answers_a_short_question(llm):
     from shiftjax import SamplingParams
 
