@@ -23,6 +23,7 @@ no layer's K/V is still in L2 from the previous call. Reported time is per call 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -123,21 +124,24 @@ def bench_decode(args, bw, rng, q_heads, kv_slots, page_size):
     print(f"decode {seqs} seqs x {context} ctx, {q_heads} q / {kv_slots} kv heads, D {head_dim}, page {page_size}, "
           f"bf16: {kv_bytes / 1e6:.1f} MB of K/V per call")
     base = PallasAttentionConfig(interpret=args.smoke)
-    variants = [base] if args.smoke else [
+    variants = [base] if args.smoke or args.quick else [
         base,
-        PallasAttentionConfig(decode_block_k=64),
+        PallasAttentionConfig(decode_block_k=32, decode_num_stages=4),
+        PallasAttentionConfig(decode_block_k=128, decode_num_stages=2),
         PallasAttentionConfig(decode_num_warps=8),
+        PallasAttentionConfig(decode_num_warps=2),
         PallasAttentionConfig(decode_splits=1),
+        PallasAttentionConfig(decode_splits=32),
     ]
     best = best_of("pallas", variants, lambda cfg: per_layer_time(q, kc, vc, md, implementation="pallas", config=cfg, iters=args.iters))
     err = check(q, kc, vc, md, best[1], 2e-2)
     rate = kv_bytes / best[0]
     print(f"  => best {best[0] * 1e6:.1f} us, {rate / 1e12:.2f} TB/s K/V read = {100 * rate / bw:.0f}% of copy bandwidth "
           f"({bw / 1e12:.2f} TB/s); rel. error vs reference {err:.1e}")
-    if not args.smoke:
+    if not args.smoke and not args.quick:
         peer_jax_paged(q, kc, vc, md, kv_bytes, bw, args)
     return dict(case=f"decode {q_heads}q/{kv_slots}kv page {page_size}", us=best[0] * 1e6, tbs=rate / 1e12, pct=100 * rate / bw,
-                cfg=cfg_str(best[1]))
+                cfg=cfg_str(best[1]), config=best[1])
 
 
 def peer_jax_paged(q, kc, vc, md, kv_bytes, bw, args):
@@ -181,17 +185,19 @@ def bench_prefill(args, rng, page_size):
     print(f"prefill {chunk} tokens after {cached} cached, {q_heads} q / {kv_slots} kv, D {head_dim}, page {page_size}, bf16: "
           f"{flops / 1e9:.1f} GFLOP (causal pairs only)")
     base = PallasAttentionConfig(interpret=args.smoke, prefill_rows=16 if args.smoke else 128, prefill_block_k=16 if args.smoke else 64)
-    variants = [base] if args.smoke else [
+    variants = [base] if args.smoke or args.quick else [
         base,
         PallasAttentionConfig(prefill_num_warps=4),
         PallasAttentionConfig(prefill_block_k=128, prefill_num_stages=2),
         PallasAttentionConfig(prefill_rows=64, prefill_num_warps=4),
+        PallasAttentionConfig(prefill_block_k=32, prefill_num_warps=4, prefill_num_stages=4),
+        PallasAttentionConfig(prefill_num_stages=2),
     ]
     best = best_of("pallas", variants, lambda cfg: per_layer_time(q, kc, vc, md, implementation="pallas", config=cfg, iters=args.iters))
     err = check(q, kc, vc, md, best[1], 2e-2)
     rate = flops / best[0]
     print(f"  => best {best[0] * 1e6:.1f} us, {rate / 1e12:.0f} TFLOP/s; rel. error vs reference {err:.1e}")
-    result = dict(case=f"prefill page {page_size}", us=best[0] * 1e6, tflops=rate / 1e12, cfg=cfg_str(best[1]))
+    result = dict(case=f"prefill page {page_size}", us=best[0] * 1e6, tflops=rate / 1e12, cfg=cfg_str(best[1]), config=best[1])
     if args.smoke:
         return result
     # cuDNN on contiguous [1, S, H, D]: the keys are the sequence's 4096 positions.
@@ -200,10 +206,11 @@ def bench_prefill(args, rng, page_size):
     qd = jax.random.normal(key, (args.layers, 1, chunk, q_heads, head_dim), dtype)
     kd = jax.random.normal(key, (args.layers, 1, kv_len, kv_slots, head_dim), dtype)
     vd = jax.random.normal(key, (args.layers, 1, kv_len, kv_slots, head_dim), dtype)
-    for label, kwargs, pairs in [
+    cudnn_cases = [
         ("non-causal (q 2048 x kv 4096)", dict(is_causal=False), chunk * kv_len),
         ("causal, top-left mask (cuDNN's)", dict(is_causal=True), causal_pairs(chunk, chunk)),
-    ]:
+    ]
+    for label, kwargs, pairs in cudnn_cases[: 1 if args.quick else 2]:
         try:
             @jax.jit
             def all_layers(qd, kd, vd):
@@ -249,6 +256,7 @@ def bench_mixed(args, rng, page_size, config):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (any machine)")
+    parser.add_argument("--quick", action="store_true", help="default configs only, no tuning sweep")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--page-sizes", default="16")
@@ -269,12 +277,16 @@ def main():
         results.append(bench_decode(args, bw, rng, 32, 8, page_size))
     prefill = [bench_prefill(args, rng, page_size) for page_size in page_sizes]
     results += prefill
-    cfg = PallasAttentionConfig(interpret=True, prefill_rows=16, prefill_block_k=16) if args.smoke else PallasAttentionConfig()
     for page_size in page_sizes:
+        # The mixed call gets the best decode (32q/8kv) and prefill settings found above.
+        dec = [r for r in results if r["case"] == f"decode 32q/8kv page {page_size}"][0]["config"]
+        pre = [r for r in results if r["case"] == f"prefill page {page_size}"][0]["config"]
+        cfg = dataclasses.replace(dec, **{f.name: getattr(pre, f.name) for f in dataclasses.fields(pre) if f.name.startswith("prefill")})
+        print(f"  mixed config: {cfg_str(cfg)}")
         results.append(bench_mixed(args, rng, page_size, cfg))
     print("\nsummary")
     for r in results:
-        print("  " + "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+        print("  " + "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if k != "config"))
 
 
 if __name__ == "__main__":

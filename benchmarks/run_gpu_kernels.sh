@@ -1,23 +1,29 @@
 #!/usr/bin/env bash
 # GPU tests and the attention benchmark in one device call (issue 4).
 #   bash benchmarks/run_gpu_kernels.sh     # on the H200; logs go to $OUT (or ./bench_out)
-# TESTS=0 skips the tests; BENCH_ARGS passes flags to attention_bench.py.
+# TESTS=0 / BENCH=0 skip the tests / the benchmark; TEST_ARGS and BENCH_ARGS pass flags on.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-export JAX_PLATFORMS=cuda  # tests/conftest.py defaults JAX to the CPU
+export JAX_PLATFORMS=cuda
+# tests/conftest.py (CPU devices, the jaxtyping+beartype hook) is not loaded there: the
+# device image has no beartype. Its matmul precision setting is repeated here instead.
+export JAX_DEFAULT_MATMUL_PRECISION=highest
 OUT="${OUT:-./bench_out}"
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 # shiftjax.kernels lives in kernels/ (setuptools package-dir); without installing, a shim
-# package of symlinks gives the same import paths.
+# package of symlinks gives the same import paths (python3 -P: the checkout's own
+# shiftjax/ folder must not shadow the shim).
 SHIM=$(mktemp -d)
 mkdir -p "$SHIM/shiftjax"
 for f in shiftjax/*; do ln -s "$PWD/$f" "$SHIM/shiftjax/"; done
 for d in kernels layouts serving checkpoints; do [ -d "$d" ] && ln -s "$PWD/$d" "$SHIM/shiftjax/$d"; done
 export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
-python3 -c "import jax, shiftjax.kernels as k; print(jax.__version__, jax.devices(), k.__file__)" 2>&1 | tee "$OUT/env.txt"
+python3 -P -c "import jax, shiftjax.kernels as k; print(jax.__version__, jax.devices(), k.__file__)" 2>&1 | tee "$OUT/env.txt"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv 2>&1 | tee -a "$OUT/env.txt"
 if [ "${TESTS:-1}" != 0 ]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_gpu.py ${TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log"
+  timeout "${TEST_TIMEOUT:-240}" python3 -P -m pytest --noconftest -q -x -p no:cacheprovider tests/test_kernels_gpu.py ${TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log"
 fi
-timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/attention_bench.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/attention_bench.log"
+if [ "${BENCH:-1}" != 0 ]; then
+  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/attention_bench.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/attention_bench.log"
+fi

@@ -74,7 +74,7 @@ def token_layout(
     tokens = jnp.arange(num_tokens, dtype=jnp.int32)
     # Sequence b owns tokens query_start[b] .. query_start[b+1]-1; counting the ends at or
     # before t skips empty sequences for free.
-    seq = jnp.searchsorted(query_start[1:], tokens, side="right").astype(jnp.int32)
+    seq = jnp.searchsorted(query_start[1:], tokens, side="right", method="compare_all").astype(jnp.int32)
     seq = jnp.minimum(seq, num_seqs - 1)
     valid = tokens < query_start[num_seqs]
     q_len = query_start[seq + 1] - query_start[seq]

@@ -63,21 +63,25 @@ class PallasAttentionConfig:
     """Tuning knobs of the two kernels; checked at construction.
 
     prefill_rows: query rows (tokens x group heads) per prefill program; the tile holds
-        ``prefill_rows // group`` tokens.
+        ``prefill_rows // group`` tokens. Stages, then rows, are lowered at call time where
+        q plus the pipelined K/V blocks would not fit in shared memory (f32, head_dim 128).
     prefill_block_k / decode_block_k: keys per inner step (a multiple of the page size;
         a page larger than the block is taken whole).
-    decode_splits: context splits per decode sequence; ``None`` picks enough programs to
-        fill about twice the GPU's multiprocessors.
+    decode_splits: context splits per decode sequence; ``None`` picks enough programs for
+        about four per multiprocessor (132 on the H200).
     """
 
     prefill_rows: int = 128
-    prefill_block_k: int = 64
+    # Defaults: the fastest of the variants benchmarks/attention_bench.py tried on the H200
+    # (benchmarks/attention_results.md): prefill rows 128 x block_k 128, 8 warps, 2 stages;
+    # decode block_k 128, 2 stages (Llama-3-8B shapes).
+    prefill_block_k: int = 128
     prefill_num_warps: int = 8
-    prefill_num_stages: int = 3
+    prefill_num_stages: int = 2
     decode_block_k: int = 128
     decode_splits: int | None = None
     decode_num_warps: int = 4
-    decode_num_stages: int = 3
+    decode_num_stages: int = 2
     interpret: bool = False
 
     def __post_init__(self):
@@ -99,37 +103,73 @@ class PallasAttentionConfig:
             raise ValueError(f"PallasAttentionConfig.decode_splits={self.decode_splits}: use None or >= 1.")
 
 
+# Shared memory the pipelined K/V blocks and the q tile may take: the H200 has 227 KiB per
+# block, and Triton needs some more for layout conversions between the two dots.
+_SHARED_MEMORY_BUDGET = 160 * 1024
+
+
+def _fit_shared_memory(rows, block_k, stages, *, page_size, head_dim, itemsize, min_rows):
+    """Shrink stages (to 2), then the key block (to a page, or 32), then rows, then stages
+    (to 1) until q plus ``stages`` pipelined K and V blocks fit the budget."""
+    block_k = max(block_k, page_size)
+
+    def fits():
+        return (rows + 2 * stages * block_k) * head_dim * itemsize <= _SHARED_MEMORY_BUDGET
+    while not fits() and stages > 2:
+        stages -= 1
+    while not fits() and block_k > max(page_size, 32):
+        block_k //= 2
+    while not fits() and rows > min_rows:
+        rows //= 2
+    while not fits() and stages > 1:
+        stages -= 1
+    return rows, block_k, stages
+
+
 def _next_power_of_two(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _online_softmax_step(q, k, v, carry, mask, sm_scale):
-    """One flash step: fold a [rows, block_k] block of logits into (o, m, l)."""
+_LOG2E = math.log2(math.e)
+
+
+def _scaled_q(q, sm_scale):
+    """q times sm_scale * log2(e), so logits come out in base 2 (exp2 in the loop)."""
+    return (q.astype(jnp.float32) * (sm_scale * _LOG2E)).astype(q.dtype)
+
+
+def _online_softmax_step(q, k, v, carry, mask):
+    """One flash step: fold a [rows, block_k] block of base-2 logits into (o, m, l)."""
     o, m, l = carry
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    s = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale  # f32 [rows, block_k]
+    s = plgpu.dot(q, k, trans_b=True, precision=precision)  # f32 [rows, block_k]
     if mask is not None:
         s = jnp.where(mask, s, _MASK_VALUE)
     m_next = jnp.maximum(m, s.max(axis=1))
-    correction = jnp.exp(m - m_next)
-    p = jnp.exp(s - m_next[:, None])
+    correction = jnp.exp2(m - m_next)
+    p = jnp.exp2(s - m_next[:, None])
     l_next = l * correction + p.sum(axis=1)
     o_next = o * correction[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
     return o_next, m_next, l_next
 
 
-def _load_block(cache_ref, layer, slot, page_table_ref, seq, block, pages_per_block, block_k):
-    """Keys ``block * block_k ..`` of sequence ``seq``: [block_k, head_dim], via its pages."""
-    pages = page_table_ref[seq, pl.ds(block * pages_per_block, pages_per_block)]
-    return cache_ref[layer, slot, pages].reshape(block_k, cache_ref.shape[-1])
+def _load_block(cache_ref, layer, slot, page_table_ref, seq, block, block_k, page_size):
+    """Keys ``block * block_k ..`` of sequence ``seq``: [block_k, head_dim], via its pages.
+
+    ``cache_ref`` is the cache viewed as ``[layers, kv_slots, num_pages * page_size, D]``;
+    each row's page id is looked up on its own (the repeats hit L1), which gives a plain
+    2-D gather whose rows Triton can load as contiguous vectors, with no reshape.
+    """
+    r = jnp.arange(block_k, dtype=jnp.int32)
+    page = page_table_ref[seq, block * (block_k // page_size) + r // page_size]
+    return cache_ref[layer, slot, page * page_size + r % page_size]
 
 
 def _decode_kernel(
     query_start_ref, seq_lens_ref, page_table_ref, layer_ref, q_ref, k_ref, v_ref,
-    o_ref, m_ref, l_ref, *, group, rows, pages_per_block, blocks_per_split, sm_scale,
+    o_ref, m_ref, l_ref, *, group, rows, block_k, page_size, blocks_per_split, sm_scale,
 ):
     seq, slot, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    block_k = pages_per_block * k_ref.shape[-2]
     head_dim = q_ref.shape[-1]
     start = query_start_ref[seq]
     is_decode = query_start_ref[seq + 1] - start == 1
@@ -148,16 +188,16 @@ def _decode_kernel(
 
     @pl.when(last > first)
     def _():
-        q = q_ref[slot, pl.ds(start * group, rows), :]
+        q = _scaled_q(q_ref[slot, pl.ds(start * group, rows), :], sm_scale)
 
         def step(block, carry, masked):
-            k = _load_block(k_ref, layer, slot, page_table_ref, seq, block, pages_per_block, block_k)
-            v = _load_block(v_ref, layer, slot, page_table_ref, seq, block, pages_per_block, block_k)
+            k = _load_block(k_ref, layer, slot, page_table_ref, seq, block, block_k, page_size)
+            v = _load_block(v_ref, layer, slot, page_table_ref, seq, block, block_k, page_size)
             mask = None
             if masked:
                 key_pos = block * block_k + jnp.arange(block_k, dtype=jnp.int32)
                 mask = jnp.broadcast_to((key_pos < kv_len)[None, :], (rows, block_k))
-            return _online_softmax_step(q, k, v, carry, mask, sm_scale)
+            return _online_softmax_step(q, k, v, carry, mask)
 
         out = lax.fori_loop(first, full, functools.partial(step, masked=False), carry)
         o, m, l = lax.fori_loop(full, last, functools.partial(step, masked=True), out)
@@ -175,11 +215,10 @@ def _decode_kernel(
 
 def _prefill_kernel(
     tile_seq_ref, tile_token0_ref, tile_pos0_ref, tile_rows_ref, page_table_ref, layer_ref,
-    q_ref, k_ref, v_ref, out_init_ref, out_ref, *, group, block_q, pages_per_block, sm_scale,
+    q_ref, k_ref, v_ref, out_init_ref, out_ref, *, group, block_q, block_k, page_size, sm_scale,
 ):
     del out_init_ref  # aliased with out_ref: rows no tile owns keep their initial value
     tile, slot = pl.program_id(0), pl.program_id(1)
-    block_k = pages_per_block * k_ref.shape[-2]
     head_dim = q_ref.shape[-1]
     rows = block_q * group
     num_rows = tile_rows_ref[tile]
@@ -190,7 +229,7 @@ def _prefill_kernel(
         token0 = tile_token0_ref[tile]
         pos0 = tile_pos0_ref[tile]
         layer = layer_ref[0]
-        q = q_ref[slot, pl.ds(token0 * group, rows), :]
+        q = _scaled_q(q_ref[slot, pl.ds(token0 * group, rows), :], sm_scale)
         row_token = jnp.arange(rows, dtype=jnp.int32) // group
         row_pos = pos0 + row_token
         # Blocks whose every key is at or before the tile's first position need no mask.
@@ -198,13 +237,13 @@ def _prefill_kernel(
         end = pl.cdiv(pos0 + num_rows, block_k)
 
         def step(block, carry, masked):
-            k = _load_block(k_ref, layer, slot, page_table_ref, seq, block, pages_per_block, block_k)
-            v = _load_block(v_ref, layer, slot, page_table_ref, seq, block, pages_per_block, block_k)
+            k = _load_block(k_ref, layer, slot, page_table_ref, seq, block, block_k, page_size)
+            v = _load_block(v_ref, layer, slot, page_table_ref, seq, block, block_k, page_size)
             mask = None
             if masked:
                 key_pos = block * block_k + jnp.arange(block_k, dtype=jnp.int32)
                 mask = key_pos[None, :] <= row_pos[:, None]
-            return _online_softmax_step(q, k, v, carry, mask, sm_scale)
+            return _online_softmax_step(q, k, v, carry, mask)
 
         carry = (
             jnp.zeros((rows, head_dim), jnp.float32),
@@ -234,7 +273,7 @@ def _prefill_tiles(metadata: AttentionMetadata, block_q: int, num_tiles: int):
     tiles_per_seq = jnp.where(q_len > 1, (q_len + block_q - 1) // block_q, 0)
     tiles_end = jnp.cumsum(tiles_per_seq)
     w = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(tiles_end, w, side="right"), num_seqs - 1).astype(jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(tiles_end, w, side="right", method="compare_all"), num_seqs - 1).astype(jnp.int32)
     index = w - (tiles_end[seq] - tiles_per_seq[seq])
     token0 = query_start[seq] + index * block_q
     rows = jnp.clip(query_start[seq + 1] - token0, 0, block_q)
@@ -278,28 +317,30 @@ def ragged_paged_attention_pallas(
     # Rows: q_rows[slot, token * group + g] = q[token, groups[slot][g]] (padded groups repeat
     # a head of the slot, or head 0 for a slot no head reads; their rows are dropped).
     head_of_row = [[(heads[g] if g < len(heads) else (heads[0] if heads else 0)) for g in range(group)] for heads in groups]
-    block_q = max(1, config.prefill_rows // group)
+    fit = functools.partial(_fit_shared_memory, page_size=page_size, head_dim=head_dim, itemsize=q.dtype.itemsize)
+    prefill_rows, prefill_block_k, prefill_stages = fit(
+        max(config.prefill_rows, group), config.prefill_block_k, config.prefill_num_stages, min_rows=max(16, group))
     decode_rows = max(16, group)
+    _, decode_block_k, decode_stages = fit(
+        decode_rows, config.decode_block_k, config.decode_num_stages, min_rows=decode_rows)
+    p_ppb, d_ppb = prefill_block_k // page_size, decode_block_k // page_size
+    block_q = max(1, prefill_rows // group)
     pad_tokens = max(block_q, -(-decode_rows // group))
     q_rows = q[:, jnp.array(head_of_row)]  # [T, kv, group, D]
     q_rows = jnp.pad(q_rows, ((0, pad_tokens), (0, 0), (0, 0), (0, 0)))
     q_rows = q_rows.transpose(1, 0, 2, 3).reshape(kv_slots, (num_tokens + pad_tokens) * group, head_dim)
 
-    def pages_per_block(block_k):
-        return max(1, block_k // page_size)
-
     # Pad the page table so every block's page slice is in bounds (page 0 is valid).
-    lcm_pages = math.lcm(pages_per_block(config.prefill_block_k), pages_per_block(config.decode_block_k))
+    lcm_pages = math.lcm(p_ppb, d_ppb)
     page_table = jnp.pad(metadata.page_table.astype(jnp.int32), ((0, 0), (0, -max_pages % lcm_pages)))
     query_start = metadata.query_start.astype(jnp.int32)
     seq_lens = metadata.seq_lens.astype(jnp.int32)
 
     # --- decode ---
-    d_ppb = pages_per_block(config.decode_block_k)
     d_blocks = -(-max_pages // d_ppb)
     splits = config.decode_splits
     if splits is None:
-        splits = _next_power_of_two(max(1, -(-2 * _SM_COUNT_H200 // (num_seqs * kv_slots))))
+        splits = _next_power_of_two(max(1, -(-4 * _SM_COUNT_H200 // (num_seqs * kv_slots))))
     splits = min(splits, d_blocks)
     blocks_per_split = -(-d_blocks // splits)
     splits = -(-d_blocks // blocks_per_split)
@@ -308,13 +349,16 @@ def ragged_paged_attention_pallas(
         jax.ShapeDtypeStruct((num_seqs, kv_slots, splits, decode_rows), jnp.float32),
         jax.ShapeDtypeStruct((num_seqs, kv_slots, splits, decode_rows), jnp.float32),
     ]
-    decode_args = [query_start, seq_lens, page_table, layer, q_rows, k_cache, v_cache]
+    # [layers, kv_slots, num_pages * page_size, D]: merging two contiguous axes is free.
+    k_flat = k_cache.reshape(*k_cache.shape[:2], -1, head_dim)
+    v_flat = v_cache.reshape(*v_cache.shape[:2], -1, head_dim)
+    decode_args = [query_start, seq_lens, page_table, layer, q_rows, k_flat, v_flat]
     decode_aliases = {}
     if _poison:
         decode_aliases = {len(decode_args) + i: i for i in range(3)}
         decode_args += [jnp.full(s.shape, jnp.nan, s.dtype) for s in part_shapes]
     decode_kernel = functools.partial(
-        _decode_kernel, group=group, rows=decode_rows, pages_per_block=d_ppb,
+        _decode_kernel, group=group, rows=decode_rows, block_k=decode_block_k, page_size=page_size,
         blocks_per_split=blocks_per_split, sm_scale=sm_scale,
     )
     if _poison:
@@ -332,7 +376,7 @@ def ragged_paged_attention_pallas(
         out_shape=part_shapes,
         input_output_aliases=decode_aliases,
         compiler_params=plgpu.CompilerParams(
-            num_warps=config.decode_num_warps, num_stages=config.decode_num_stages
+            num_warps=config.decode_num_warps, num_stages=decode_stages
         ),
         interpret=config.interpret,
         name="ragged_paged_attention_decode",
@@ -340,20 +384,20 @@ def ragged_paged_attention_pallas(
     # Merge the splits (flash-decoding); rows beyond the group belong to other tokens.
     o_part, m_part, l_part = o_part[..., :group, :], m_part[..., :group], l_part[..., :group]
     m_max = m_part.max(axis=2, keepdims=True)
-    weight = jnp.exp(m_part - m_max)
+    weight = jnp.exp2(m_part - m_max)  # m is in base 2
     l_sum = (weight * l_part).sum(axis=2)
     decode_out = (weight[..., None] * o_part).sum(axis=2) / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
 
     # --- prefill ---
-    p_ppb = pages_per_block(config.prefill_block_k)
     num_tiles = min(-(-num_tokens // block_q) + num_seqs, num_tokens)
     tiles = _prefill_tiles(metadata, block_q, num_tiles)
     fill = jnp.nan if _poison else 0.0
     out_init = jnp.full((kv_slots, (num_tokens + pad_tokens) * group, head_dim), fill, q.dtype)
-    prefill_args = [*tiles, page_table, layer, q_rows, k_cache, v_cache, out_init]
+    prefill_args = [*tiles, page_table, layer, q_rows, k_flat, v_flat, out_init]
     out_rows = pl.pallas_call(
         functools.partial(
-            _prefill_kernel, group=group, block_q=block_q, pages_per_block=p_ppb, sm_scale=sm_scale,
+            _prefill_kernel, group=group, block_q=block_q, block_k=prefill_block_k, page_size=page_size,
+            sm_scale=sm_scale,
         ),
         grid=(num_tiles, kv_slots),
         in_specs=[pl.no_block_spec] * len(prefill_args),
@@ -361,7 +405,7 @@ def ragged_paged_attention_pallas(
         out_shape=jax.ShapeDtypeStruct(out_init.shape, q.dtype),
         input_output_aliases={len(prefill_args) - 1: 0},
         compiler_params=plgpu.CompilerParams(
-            num_warps=config.prefill_num_warps, num_stages=config.prefill_num_stages
+            num_warps=config.prefill_num_warps, num_stages=prefill_stages
         ),
         interpret=config.interpret,
         name="ragged_paged_attention_prefill",

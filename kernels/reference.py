@@ -91,7 +91,7 @@ def _tiles(metadata: AttentionMetadata, tile: int, num_tiles: int):
     tiles_per_seq = (q_len + tile - 1) // tile
     tiles_end = jnp.cumsum(tiles_per_seq)
     w = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(tiles_end, w, side="right"), num_seqs - 1).astype(jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(tiles_end, w, side="right", method="compare_all"), num_seqs - 1).astype(jnp.int32)
     index = w - (tiles_end[seq] - tiles_per_seq[seq])
     token0 = query_start[seq] + index * tile
     rows = jnp.clip(query_start[seq + 1] - token0, 0, tile)
