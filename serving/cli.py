@@ -66,6 +66,10 @@ def _parse_generate(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-num-batched-tokens", type=int, default=128)
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--token-buckets", default=None, metavar="16,64,128",
+                        help="token counts to compile a step for (default: 16 x 4**i up to the max)")
+    parser.add_argument("--seq-buckets", default=None, metavar="1,4,8",
+                        help="sequence counts to compile a step for (default: 4**i up to the max)")
     parser.add_argument("--attention", choices=("reference", "pallas", "auto"), default="auto")
     parser.add_argument("--coordinator", default=None,
                         help="host:port of process 0, for a mesh over several processes")
@@ -81,7 +85,7 @@ def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def generate_main(argv: list[str]) -> int:
@@ -110,7 +114,9 @@ def generate_main(argv: list[str]) -> int:
                   weight_storage=args.weight_storage, mode=args.mode,
                   shift_threshold=args.shift_threshold, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  page_size=args.page_size, attention=args.attention)
+                  page_size=args.page_size, attention=args.attention,
+                  token_buckets=args.token_buckets and tuple(_parse_ids(args.token_buckets)),
+                  seq_buckets=args.seq_buckets and tuple(_parse_ids(args.seq_buckets)))
         ready = time.perf_counter()
         completions = llm.generate(prompts, params, chat=args.chat)
         done = time.perf_counter()

@@ -25,7 +25,7 @@ class EngineConfig:
     num_pages: int | None = None  # default: every sequence slot can reach max_model_len
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 256
-    token_buckets: tuple[int, ...] | None = None  # default: powers of two
+    token_buckets: tuple[int, ...] | None = None  # default: BucketLadder.geometric
     seq_buckets: tuple[int, ...] | None = None
     mode: str = "auto"  # tp | sp | auto | alternate
     shift_threshold: int | None = None  # with mode auto: SP from this many tokens up
@@ -59,7 +59,7 @@ class Engine:
         sp = weights.dims.sp
         self.modes = ("tp", "sp") if sp > 1 else ("tp",)
         if config.token_buckets is None:
-            ladder = exe.BucketLadder.powers_of_two(
+            ladder = exe.BucketLadder.geometric(
                 config.max_num_batched_tokens, config.max_num_seqs, multiple=sp)
         else:
             ladder = exe.BucketLadder(tuple(config.token_buckets),

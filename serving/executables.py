@@ -36,24 +36,21 @@ class BucketLadder:
                 raise ValueError(f"{name} must be strictly increasing positive integers, got {values}")
 
     @classmethod
-    def powers_of_two(cls, max_tokens: int, max_seqs: int, *, min_tokens: int = 8, multiple: int = 1):
-        """Token buckets ``min_tokens, 2*min_tokens, ... >= max_tokens`` (multiples of
-        ``multiple``, the SP degree) and sequence buckets ``1, 2, 4, ... >= max_seqs``, capped
-        at the token bucket (a step never has more sequences than tokens)."""
-        tokens, t = [], max(min_tokens, multiple)
-        t = -(-t // multiple) * multiple
-        while True:
-            tokens.append(t)
-            if t >= max_tokens:
-                break
-            t *= 2
-        seqs, b = [], 1
-        while True:
-            seqs.append(b)
-            if b >= max_seqs:
-                break
-            b *= 2
-        return cls(tuple(tokens), tuple(seqs))
+    def geometric(cls, max_tokens: int, max_seqs: int, *, min_tokens: int = 16, factor: int = 4,
+                  multiple: int = 1):
+        """Token buckets ``min_tokens * factor**i`` up to ``max_tokens`` (which is always one),
+        rounded up to multiples of ``multiple`` (the SP degree), and sequence buckets
+        ``factor**i`` up to ``max_seqs``. Each bucket is one executable per mode, compiled at
+        start, so the ladder trades padding against start-up time."""
+        def ladder(first, last):
+            values, v = [], first
+            while v < last:
+                values.append(v)
+                v *= factor
+            return values + [last]
+
+        tokens = [-(-t // multiple) * multiple for t in ladder(min(min_tokens, max_tokens), max_tokens)]
+        return cls(tuple(sorted(set(tokens))), tuple(ladder(1, max_seqs)))
 
     def pairs(self):
         return [(t, b) for t in self.token_buckets for b in self.seq_buckets if b <= t]
@@ -121,8 +118,15 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
 
 
 def to_device(batch: StepBatch, weights: ModelWeights) -> StepBatch:
+    """The host batch, replicated on the mesh; every process holds the same host batch
+    (the scheduler is deterministic), so each places only its own devices' copies."""
     sharding = batch_sharding(weights)
-    return jax.tree.map(lambda x: jax.device_put(np.asarray(x), sharding), batch)
+
+    def place(x):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    return jax.tree.map(place, batch)
 
 
 def time_executables(executables: Executables, weights: ModelWeights, caches: KVCache,
