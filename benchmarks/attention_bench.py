@@ -125,11 +125,11 @@ def bench_decode(args, bw, rng, q_heads, kv_slots, page_size):
           f"bf16: {kv_bytes / 1e6:.1f} MB of K/V per call")
     base = PallasAttentionConfig(interpret=args.smoke)
     variants = [base] if args.smoke or args.quick else [
-        base,
+        base,  # block_k 128, 4 warps, 2 stages
+        PallasAttentionConfig(decode_block_k=64, decode_num_stages=3),
         PallasAttentionConfig(decode_block_k=32, decode_num_stages=4),
-        PallasAttentionConfig(decode_block_k=128, decode_num_stages=2),
-        PallasAttentionConfig(decode_num_warps=8),
-        PallasAttentionConfig(decode_num_warps=2),
+        PallasAttentionConfig(decode_block_k=64, decode_num_warps=8, decode_num_stages=3),
+        PallasAttentionConfig(decode_block_k=64, decode_num_warps=2, decode_num_stages=3),
         PallasAttentionConfig(decode_splits=1),
         PallasAttentionConfig(decode_splits=32),
     ]
@@ -184,14 +184,14 @@ def bench_prefill(args, rng, page_size):
     flops = 4 * head_dim * q_heads * causal_pairs(chunk, cached + chunk)
     print(f"prefill {chunk} tokens after {cached} cached, {q_heads} q / {kv_slots} kv, D {head_dim}, page {page_size}, bf16: "
           f"{flops / 1e9:.1f} GFLOP (causal pairs only)")
-    base = PallasAttentionConfig(interpret=args.smoke, prefill_rows=16 if args.smoke else 128, prefill_block_k=16 if args.smoke else 64)
+    base = PallasAttentionConfig(interpret=True, prefill_rows=16, prefill_block_k=16) if args.smoke else PallasAttentionConfig()
     variants = [base] if args.smoke or args.quick else [
-        base,
-        PallasAttentionConfig(prefill_num_warps=4),
-        PallasAttentionConfig(prefill_block_k=128, prefill_num_stages=2),
-        PallasAttentionConfig(prefill_rows=64, prefill_num_warps=4),
+        base,  # rows 128, block_k 128, 8 warps, 2 stages
+        PallasAttentionConfig(prefill_block_k=64, prefill_num_stages=3),
+        PallasAttentionConfig(prefill_block_k=64, prefill_num_warps=4, prefill_num_stages=3),
+        PallasAttentionConfig(prefill_rows=64, prefill_block_k=64, prefill_num_warps=4, prefill_num_stages=3),
         PallasAttentionConfig(prefill_block_k=32, prefill_num_warps=4, prefill_num_stages=4),
-        PallasAttentionConfig(prefill_num_stages=2),
+        PallasAttentionConfig(prefill_block_k=64, prefill_num_stages=2),
     ]
     best = best_of("pallas", variants, lambda cfg: per_layer_time(q, kc, vc, md, implementation="pallas", config=cfg, iters=args.iters))
     err = check(q, kc, vc, md, best[1], 2e-2)
