@@ -316,8 +316,8 @@ def ragged_paged_attention_pallas(
             f"head_dim={head_dim} and page_size={page_size}: the Pallas kernels need powers of "
             "two (Triton tile shapes); use implementation='reference' otherwise."
         )
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q is {q.dtype} but the caches are {k_cache.dtype}/{v_cache.dtype}; use one dtype.")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}; use one dtype.")
     groups = heads_by_slot(kv_slot_map(q_heads, kv_slots, kv_slot_of_head), kv_slots)
     group = _next_power_of_two(max(len(heads) for heads in groups))
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
@@ -325,7 +325,7 @@ def ragged_paged_attention_pallas(
     # Rows: q_rows[slot, token * group + g] = q[token, groups[slot][g]] (padded groups repeat
     # a head of the slot, or head 0 for a slot no head reads; their rows are dropped).
     head_of_row = [[(heads[g] if g < len(heads) else (heads[0] if heads else 0)) for g in range(group)] for heads in groups]
-    fit = functools.partial(_fit_shared_memory, page_size=page_size, head_dim=head_dim, itemsize=q.dtype.itemsize)
+    fit = functools.partial(_fit_shared_memory, page_size=page_size, head_dim=head_dim, itemsize=k_cache.dtype.itemsize)
     prefill_rows, prefill_block_k, prefill_stages = fit(
         max(config.prefill_rows, group), config.prefill_block_k, config.prefill_num_stages, min_rows=max(16, group))
     decode_rows = max(16, group)
@@ -334,7 +334,9 @@ def ragged_paged_attention_pallas(
     p_ppb, d_ppb = prefill_block_k // page_size, decode_block_k // page_size
     block_q = max(1, prefill_rows // group)
     pad_tokens = max(block_q, -(-decode_rows // group))
-    q_rows = q[:, jnp.array(head_of_row)]  # [T, kv, group, D]
+    # The dots run in the cache's dtype (a model may carry q in f32 over a bf16 cache);
+    # the output comes back in q's dtype.
+    q_rows = q.astype(k_cache.dtype)[:, jnp.array(head_of_row)]  # [T, kv, group, D]
     q_rows = jnp.pad(q_rows, ((0, pad_tokens), (0, 0), (0, 0), (0, 0)))
     q_rows = q_rows.transpose(1, 0, 2, 3).reshape(kv_slots, (num_tokens + pad_tokens) * group, head_dim)
 

@@ -204,6 +204,12 @@ def test_pallas_interpret_bf16_and_default_splits():
     out = np.asarray(out, np.float32)[:real]
     err = np.linalg.norm(out - expected[:real]) / np.linalg.norm(expected[:real])
     assert err < 2e-2, err
+    # q in f32 over the bf16 cache (as a model may pass it): output in f32, same values.
+    args32 = (q.astype(jnp.float32), *args[1:])
+    out32 = compiled(ragged_paged_attention_pallas, sm_scale=0.25, config=config)(*args32)
+    assert out32.dtype == jnp.float32
+    err = np.linalg.norm(np.asarray(out32)[:real] - expected[:real]) / np.linalg.norm(expected[:real])
+    assert err < 2e-2, err
 
 
 @pytest.mark.parametrize("head_dim,page_size,dtype", [(64, 16, jnp.bfloat16), (128, 128, jnp.float32), (64, 128, jnp.bfloat16), (128, 32, jnp.bfloat16)])
