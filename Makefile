@@ -29,7 +29,7 @@ demo: $(VENV)/.base
 		"The three laws of motion are"
 
 test: $(VENV)/.dev
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not gpu"
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

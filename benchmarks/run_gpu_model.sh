@@ -2,7 +2,7 @@
 # The model end to end on one GPU (benchmarks/model_gpu.py), in one device call:
 #   bash benchmarks/run_gpu_model.sh      # logs and model_gpu.json go to $OUT (or ./bench_out)
 set -uo pipefail
-export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest
 OUT="${OUT:-./bench_out}"
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."

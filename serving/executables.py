@@ -100,12 +100,12 @@ def batch_sharding(weights: ModelWeights) -> NamedSharding:
 
 
 def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, modes, *,
-                max_pages: int, attention: str = "auto") -> Executables:
+                max_pages: int, attention: str = "auto", layer_loop: str = "scan") -> Executables:
     """Lowers and compiles every (mode, bucket) step against the real params and caches."""
     sharding = batch_sharding(weights)
     compiled, seconds = {}, {}
     for mode in modes:
-        step = make_step(weights, mode, attention=attention)
+        step = make_step(weights, mode, attention=attention, layer_loop=layer_loop)
         for t, b in ladder.pairs():
             if mode == "sp" and t % weights.dims.sp:
                 raise ValueError(f"token bucket {t} is not a multiple of sp={weights.dims.sp}")

@@ -44,10 +44,20 @@ class StepOutput:
     logits: jax.Array | None = None  # [seqs, vocab] float32, only when asked for (tests)
 
 
-def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", return_logits: bool = False):
-    """The jitted step of ``mode`` for these weights; caches (argument 1) are donated."""
+LAYER_LOOPS = ("scan", "unrolled")
+
+
+def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", layer_loop: str = "scan",
+              return_logits: bool = False):
+    """The jitted step of ``mode`` for these weights; caches (argument 1) are donated.
+
+    ``layer_loop``: ``"scan"`` (compile time flat in depth) or ``"unrolled"`` (faster on
+    GPUs, where the scan copies each layer's weights; see ``model.run_layers``).
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if layer_loop not in LAYER_LOOPS:
+        raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
     config, dims, mesh = weights.config, weights.dims, weights.mesh
     inv_freq = tuple(rope_inverse_frequencies(config))
     layer_fn = tp_layer if mode == "tp" else sp_layer
@@ -63,7 +73,8 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", ret
             local_tokens = x.shape[0] // dims.sp
             first = lax.axis_index(SP) * local_tokens
             x = lax.dynamic_slice_in_dim(x, first, local_tokens)
-        x, k_cache, v_cache = run_layers(layer_fn, x, params.layers, k_cache, v_cache, ctx)
+        x, k_cache, v_cache = run_layers(layer_fn, x, params.layers, k_cache, v_cache, ctx,
+                                         unrolled=layer_loop == "unrolled")
         if mode == "tp":
             rows = jnp.take(x, jnp.maximum(batch.sample_index, 0), axis=0)
         else:  # each sampled row lives on one sp rank; the psum adds zeros elsewhere

@@ -42,6 +42,15 @@ def test_tp_sp_and_alternate_leave_identical_pages(params, sp, tp):
     assert np.abs(k[:, :, stepping.PAGES[0][0]]).sum() > 0 and np.abs(k[:, :, stepping.PAGES[1][0]]).sum() > 0
 
 
+def test_unrolled_layers_equal_the_scan(params):
+    scanned, _ = run_scenario(params, CONFIG, 2, 2, {"alternate": ["tp", "sp"]})
+    unrolled, _ = run_scenario(params, CONFIG, 2, 2, {"alternate": ["tp", "sp"]}, layer_loop="unrolled")
+    for (a, b) in zip(scanned["alternate"][0], unrolled["alternate"][0]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(a).max())
+    np.testing.assert_allclose(np.asarray(scanned["alternate"][1].k), np.asarray(unrolled["alternate"][1].k),
+                               rtol=1e-5, atol=1e-6)
+
+
 def _cache_param_indices(hlo: str, local_cache_shape) -> list[int]:
     header = re.search(r"entry_computation_layout=\{\((.*?)\)->", hlo).group(1)
     shapes = re.findall(r"[a-z0-9]+\[([0-9,]*)\]", header)
