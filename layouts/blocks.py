@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
-from shiftjax.layouts.mesh import HEAD_AXES, SP, TP
+from shiftjax.layouts.mesh import SP, TP
+from shiftjax.layouts.specs import blocks_spec, tp_shard_spec
 
 WeightStorage = Literal["aliased", "two_copies"]
 STORAGES = ("aliased", "two_copies")
@@ -69,12 +69,12 @@ def split_features(
 
 def block_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     """``[layers, P, ...]`` with the block axis over the head axes (the TP-mode layout)."""
-    return NamedSharding(mesh, P(None, HEAD_AXES, *([None] * (ndim - 2))))
+    return NamedSharding(mesh, blocks_spec(ndim))
 
 
 def shard_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     """``[layers, tp, ...]`` sharded over ``tp``, replicated over ``sp`` (one TP shard each)."""
-    return NamedSharding(mesh, P(None, TP, *([None] * (ndim - 2))))
+    return NamedSharding(mesh, tp_shard_spec(ndim))
 
 
 def store_blocks(blocks: jax.Array, mesh: Mesh, storage: WeightStorage, kind: str):

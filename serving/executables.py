@@ -12,10 +12,10 @@ import time
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from shiftjax.batch import StepBatch, empty_batch
 from shiftjax.cache import KVCache
+from shiftjax.layouts.specs import REPLICATED
 from shiftjax.steps import make_step, params_for
 from shiftjax.weights import ModelWeights
 
@@ -96,7 +96,7 @@ class Executables:
 
 
 def batch_sharding(weights: ModelWeights) -> NamedSharding:
-    return NamedSharding(weights.mesh, P())
+    return NamedSharding(weights.mesh, REPLICATED)
 
 
 def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, modes, *,

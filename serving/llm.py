@@ -6,11 +6,11 @@ import dataclasses
 from collections.abc import Sequence
 
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from shiftjax.checkpoints.default_model import default_model_path
 from shiftjax.checkpoints.load import load_checkpoint, load_tokenizer
 from shiftjax.layouts.mesh import make_mesh
+from shiftjax.layouts.specs import REPLICATED
 from shiftjax.serving.engine import Engine, EngineConfig
 from shiftjax.serving.sampling_params import SamplingParams
 from shiftjax.weights import shard_params
@@ -44,7 +44,7 @@ class LLM:
         self.mesh = make_mesh(sp, tp, devices)
         # Canonical weights land replicated on the mesh and are expanded there into blocks;
         # multi-process meshes need global arrays, which a restore with shardings gives.
-        replicated = NamedSharding(self.mesh, P())
+        replicated = NamedSharding(self.mesh, REPLICATED)
         self.config, params = load_checkpoint(path, dtype=dtype, shardings=replicated)
         self.weights = shard_params(params, self.config, self.mesh, weight_storage)
         del params

@@ -18,7 +18,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shiftjax.layouts.mesh import HEAD_AXES
+from shiftjax.layouts.specs import CACHE_SPEC
 from shiftjax.pytrees import unchecked_init
 
 SCRATCH_PAGE = 0
@@ -46,7 +46,7 @@ class CacheConfig:
 
 
 def cache_spec() -> P:
-    return P(None, HEAD_AXES, None, None, None)
+    return CACHE_SPEC
 
 
 def allocate_cache(mesh: Mesh, num_layers: int, kv_slots: int, head_dim: int, cache: CacheConfig) -> KVCache:

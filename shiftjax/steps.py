@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from shiftjax.batch import StepBatch
 from shiftjax.cache import KVCache, cache_spec
 from shiftjax.config import rope_inverse_frequencies
 from shiftjax.layouts.mesh import SP
+from shiftjax.layouts.specs import REPLICATED
 from shiftjax.model import (
     Context,
     embed_tokens,
@@ -95,8 +95,8 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", lay
     cache = cache_spec()
     sharded = jax.shard_map(
         local_step, mesh=mesh,
-        in_specs=(param_specs, cache, cache, P()),
-        out_specs=((P(),) * (2 if return_logits else 1), cache, cache),
+        in_specs=(param_specs, cache, cache, REPLICATED),
+        out_specs=((REPLICATED,) * (2 if return_logits else 1), cache, cache),
         check_vma=False,
     )
 

@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from shiftjax.config import ModelConfig
 from shiftjax.layouts import blocks as blk
 from shiftjax.layouts.heads import HeadLayout, head_layout
-from shiftjax.layouts.mesh import HEAD_AXES, SP, TP
+from shiftjax.layouts.mesh import SP, TP
+from shiftjax.layouts.specs import EMBED_SPEC, LM_HEAD_SPEC, REPLICATED
 from shiftjax.params import Params
 from shiftjax.pytrees import unchecked_init
 
@@ -114,7 +114,7 @@ def shard_params(
     blocks = layout.num_blocks
     hd = config.head_dim
     kv_table = layout.kv_head_of_slot
-    replicated = NamedSharding(mesh, P())
+    replicated = NamedSharding(mesh, REPLICATED)
 
     def qkv_blocks(wq, wk, wv):
         return jnp.concatenate(
@@ -149,8 +149,8 @@ def shard_params(
         wqkv=blk.block_sharding(mesh, 4), wo=blk.block_sharding(mesh, 4),
         w_gate_up=blk.block_sharding(mesh, 4), w_down=blk.block_sharding(mesh, 4),
         bqkv=None if params.layers.bq is None else blk.block_sharding(mesh, 3),
-        embed=NamedSharding(mesh, P(HEAD_AXES, None)),
-        lm_head=None if params.lm_head is None else NamedSharding(mesh, P(None, HEAD_AXES)),
+        embed=NamedSharding(mesh, EMBED_SPEC),
+        lm_head=None if params.lm_head is None else NamedSharding(mesh, LM_HEAD_SPEC),
         final_norm=replicated, attn_norm=replicated, mlp_norm=replicated,
     )
     expanded = jax.jit(expand, out_shardings=out_shardings)(params)
