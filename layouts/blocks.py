@@ -16,8 +16,18 @@ Storage (``WeightStorage``):
   runs one GEMM per weight.
 
 Why not slice one contiguous array per mode at run time: on the H200 XLA copies a
-dynamically sliced weight instead of fusing the slice into the GEMM (DESIGN.md, 64 µs
-against 26 µs for a 3584 x 8192 bf16 block at 8 tokens).
+dynamically sliced weight instead of fusing the slice into the GEMM (3.0-3.1x the
+presliced GEMM per Llama-70B layer in TP mode).
+
+Measured on the H200 (``benchmarks/layer_results.md``, Llama-3-70B layer, one device of 8):
+aliased storage gives TP mode exactly the two-copy GEMMs, but SP mode's 8 split GEMMs cost
++49%, +43%, +32%, +19% on the projections at 8, 64, 512, 4096 tokens per device. Block-major
+contiguous storage with one GEMM costs SP mode nothing (1.00-1.05x), but TP mode then needs
+a Pallas GEMM that reads its block by offset, which a short tuning brought to 0.96-1.21x of
+cuBLAS. No zero-memory layout meets "no mode slower than two copies" yet; aliased is the
+default because the latency mode (TP) is at parity with it and the two modes add partial
+sums in the same order, so they write bit-identical caches. ``two_copies`` is the option
+for SP-mode throughput parity at +1/sp weight memory.
 """
 
 from __future__ import annotations
