@@ -42,65 +42,10 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from roofline import copy_bandwidth, matmul_rate, time_fn  # noqa: E402
+from roofline import copy_bandwidth, device_time, matmul_rate, time_fn  # noqa: E402
 
 BF16 = jnp.bfloat16
 F32 = jnp.float32
-
-
-def device_time(fn, args, iters, top=0):
-    """GPU time of `iters` calls of fn(*args) from a profiler trace (CUPTI kernel records).
-
-    Returns dict(span=median over calls of last-kernel-end minus first-kernel-start [s],
-    ksum=median sum of kernel durations per call [s], kernels=kernels per call, top=[...])
-    or None where the trace holds no device events (CPU, or no profiler)."""
-    try:
-        from jax._src.lib import _profiler
-        from jax.profiler import ProfileData
-        jax.block_until_ready(fn(*args))
-        sess = _profiler.ProfilerSession()
-        for _ in range(iters):
-            jax.block_until_ready(fn(*args))
-        pd = ProfileData.from_serialized_xspace(sess.stop())
-    except Exception as e:  # pragma: no cover
-        print(f"  (profiler failed: {type(e).__name__}: {str(e)[:120]})", flush=True)
-        return None
-    ev = []
-    for plane in pd.planes:
-        if "GPU" not in plane.name and "device:" not in plane.name.lower():
-            continue
-        if "host" in plane.name.lower():
-            continue
-        lines = [ln for ln in plane.lines if ln.name.startswith("Stream")] or list(plane.lines)
-        for line in lines:
-            for e in line.events:
-                if e.name.startswith("Memcpy"):
-                    continue
-                ev.append((e.start_ns, e.start_ns + e.duration_ns, e.duration_ns, e.name))
-    if len(ev) < iters:
-        return None
-    ev.sort()
-    # the iters-1 largest idle gaps of the device separate the calls
-    gaps, maxend = [], ev[0][1]
-    for i in range(1, len(ev)):
-        gaps.append((ev[i][0] - maxend, i))
-        maxend = max(maxend, ev[i][1])
-    cuts = sorted(i for _, i in sorted(gaps)[len(gaps) - (iters - 1):]) if iters > 1 else []
-    runs, start = [], 0
-    for c in cuts + [len(ev)]:
-        runs.append(ev[start:c])
-        start = c
-    spans = sorted((max(x[1] for x in r) - r[0][0]) * 1e-9 for r in runs if r)
-    ksums = sorted(sum(x[2] for x in r) * 1e-9 for r in runs if r)
-    out = dict(span=spans[len(spans) // 2], ksum=ksums[len(ksums) // 2], kernels=len(ev) / iters)
-    if top:
-        agg = {}
-        for x in ev:
-            a = agg.setdefault(x[3][:70], [0, 0])
-            a[0] += x[2]
-            a[1] += 1
-        out["top"] = sorted(((v[0] * 1e-9 / iters, v[1] / iters, k) for k, v in agg.items()), reverse=True)[:top]
-    return out
 
 
 def rmsnorm(x, g, eps=1e-5):

@@ -3,22 +3,10 @@
 #   bash benchmarks/run_gpu_kernels.sh     # on the H200; logs go to $OUT (or ./bench_out)
 # TESTS=0 / BENCH=0 skip the tests / the benchmark; TEST_ARGS and BENCH_ARGS pass flags on.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-export JAX_PLATFORMS=cuda
+source "$(dirname "$0")/gpu_env.sh"
 # tests/conftest.py (CPU devices, the jaxtyping+beartype hook) is not loaded there: the
 # device image has no beartype. Its matmul precision setting is repeated here instead.
 export JAX_DEFAULT_MATMUL_PRECISION=highest
-OUT="${OUT:-./bench_out}"
-mkdir -p "$OUT"
-cd "$(dirname "$0")/.."
-# shiftjax.kernels lives in kernels/ (setuptools package-dir); without installing, a shim
-# package of symlinks gives the same import paths (python3 -P: the checkout's own
-# shiftjax/ folder must not shadow the shim).
-SHIM=$(mktemp -d)
-mkdir -p "$SHIM/shiftjax"
-for f in shiftjax/*; do ln -s "$PWD/$f" "$SHIM/shiftjax/"; done
-for d in kernels layouts serving checkpoints; do [ -d "$d" ] && ln -s "$PWD/$d" "$SHIM/shiftjax/$d"; done
-export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 python3 -P -c "import jax, shiftjax.kernels as k; print(jax.__version__, jax.devices(), k.__file__)" 2>&1 | tee "$OUT/env.txt"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv 2>&1 | tee -a "$OUT/env.txt"
 if [ "${TESTS:-1}" != 0 ]; then
