@@ -127,7 +127,8 @@ def generate_main(argv: list[str]) -> int:
         return 0
     generated = sum(len(c.output_ids) for c in completions)
     summary = (f"mesh sp={args.sp} tp={args.tp} on {jax.devices()[0].platform}; load+compile "
-               f"{ready - start:.1f} s (compile {llm.compile_seconds:.1f} s); generated {generated} "
+               f"{ready - start:.1f} s ({len(llm.engine.executables.compiled)} executables compiled in "
+               f"{llm.compile_seconds:.1f} s summed); generated {generated} "
                f"tokens in {done - ready:.2f} s; steps {llm.engine.stats['steps']}, "
                f"mode switches {llm.engine.stats['switches']}")
     for completion in completions:

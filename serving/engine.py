@@ -94,6 +94,8 @@ class Engine:
 
     @property
     def compile_seconds(self) -> float:
+        """Compile time summed over executables (they compile concurrently, so the wall
+        time is less)."""
         return sum(self.executables.compile_seconds.values())
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
