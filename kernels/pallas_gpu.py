@@ -35,9 +35,9 @@ Measured on the H200 (benchmarks/attention_results.md, 2026-11-29): decode 64 x 
 32 q / 8 KV, D128 bf16 at 84% of the copy bandwidth; 8 q / 1 KV only 29% (134 MB per call,
 so fixed per-call costs dominate); prefill 2048 after 2048 at 54% of cuDNN's FLOP/s.
 
-Not checked: whether the Triton lowering's pointer arithmetic is 64-bit. A stacked cache
-of more than 2**31 elements per array (80 layers x 8k pages x 16 x 128, say) may overflow
-int32 offsets; test before using caches that large.
+Caches of more than 2**31 elements per array are read correctly at their far end (checked
+on the H200 with a 2.2e9-element bf16 cache: tests/test_kernels_gpu.py
+::test_cache_larger_than_int32_offsets), so offsets do not overflow 32 bits.
 """
 
 from __future__ import annotations

@@ -110,3 +110,50 @@ def test_layer_scan_on_gpu():
     cache_type = "bf16[" + ",".join(map(str, k.shape)) + "]"
     assert not [line for line in hlo.splitlines() if cache_type in line and (" copy(" in line or "dynamic-slice(" in line)], \
         "the layer scan copies or slices the cache"
+
+
+def test_cache_larger_than_int32_offsets():
+    """A stacked cache of more than 2**31 elements per array, read at its far end.
+
+    Element offsets past 2**31 overflow if the kernel's pointer arithmetic is 32-bit;
+    the reference (XLA gathers) is the oracle.
+    """
+    layers, kv_slots, page_size, head_dim = 4, 8, 16, 128
+    num_pages = 2**31 // (layers * kv_slots * page_size * head_dim) + 1024
+    shape = (layers, kv_slots, num_pages, page_size, head_dim)
+    assert np.prod(shape) > 2**31
+    rng = np.random.default_rng(0)
+    q_lens, seq_lens = [1, 40, 1], [97, 120, 33]
+    pages_needed = [-(-s // page_size) for s in seq_lens]
+    top = rng.permutation(np.arange(num_pages - 64, num_pages))  # the last pages of the array
+    page_table = np.zeros((3, max(pages_needed)), np.int32)
+    used = 0
+    for b, n in enumerate(pages_needed):
+        page_table[b, :n] = top[used:used + n]
+        used += n
+    layer = layers - 1
+
+    @jax.jit
+    def make_caches(key):
+        k_key, v_key = jax.random.split(key)
+        k = jnp.zeros(shape, jnp.bfloat16)
+        v = jnp.zeros(shape, jnp.bfloat16)
+        rows = jnp.asarray(top[:used])
+        fill = (kv_slots, used, page_size, head_dim)
+        k = k.at[layer, :, rows].set(jax.random.normal(k_key, fill, jnp.bfloat16).transpose(1, 0, 2, 3))
+        v = v.at[layer, :, rows].set(jax.random.normal(v_key, fill, jnp.bfloat16).transpose(1, 0, 2, 3))
+        return k, v
+
+    k_cache, v_cache = make_caches(jax.random.key(1))
+    from shiftjax.kernels import AttentionMetadata
+
+    metadata = AttentionMetadata(
+        query_start=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
+        seq_lens=jnp.asarray(seq_lens, jnp.int32), page_table=jnp.asarray(page_table))
+    q = jnp.asarray(rng.standard_normal((48, 32, head_dim)), jnp.bfloat16)
+    kwargs = dict(layer=jnp.int32(layer), sm_scale=head_dim ** -0.5)
+    want = jax.jit(lambda *a: ragged_paged_attention_reference(*a, **kwargs))(q, k_cache, v_cache, metadata)
+    got = jax.jit(lambda *a: ragged_paged_attention_pallas(*a, **kwargs))(q, k_cache, v_cache, metadata)
+    rows = int(sum(q_lens))
+    assert relative_error(got[:rows], want[:rows]) < 2e-2
+    assert float(jnp.abs(want[:rows].astype(jnp.float32)).max()) > 0  # the far pages were read
