@@ -431,7 +431,7 @@ def main():
         if k not in by or r["us"] < by[k]["us"]:
             by[k] = r
     for mode, names, toks in (("SP", ["i", "ii", "ii-b", "iii"], sp_tokens), ("TP", ["iv", "iv-T", "v", "vi"], tp_tokens)):
-        print(f"| mode | proj | T | floor (bw/flop) | " + " | ".join(names) + " |")
+        print("| mode | proj | T | floor (bw/flop) | " + " | ".join(names) + " |")
         print("|" + "---|" * (4 + len(names)))
         for pname, *_ in projs:
             for T in toks:
