@@ -31,9 +31,9 @@ so K/V bytes are read once per slot, not once per head.
 One ``ragged_paged_attention_pallas`` call launches both for a mixed batch; each kernel's
 programs whose sequence belongs to the other path exit at once.
 
-Measured on the H200 (benchmarks/attention_results.md, 2026-11-29): decode 64 x 4096,
-32 q / 8 KV, D128 bf16 at 84% of the copy bandwidth; 8 q / 1 KV only 29% (134 MB per call,
-so fixed per-call costs dominate); prefill 2048 after 2048 at 54% of cuDNN's FLOP/s.
+Measured on the H200 (benchmarks/attention_results.md, run 4, 2026-11-29): decode 64 x 4096,
+32 q / 8 KV, D128 bf16 at 86% of the copy bandwidth; 8 q / 1 KV only 34% (134 MB per call,
+so fixed per-call costs dominate); prefill 2048 after 2048 at 58% of cuDNN's FLOP/s.
 
 Caches of more than 2**31 elements per array are read correctly at their far end (checked
 on the H200 with a 2.2e9-element bf16 cache: tests/test_kernels_gpu.py
