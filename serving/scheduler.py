@@ -23,7 +23,7 @@ class QueueFull(Exception):
     """The admission queue is at its bound; the caller answers RESOURCE_EXHAUSTED."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity, not field-by-field comparison, in queues
 class Request:
     request_id: int
     prompt_ids: list[int]
@@ -39,6 +39,16 @@ class Request:
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_slice(self, first: int, size: int) -> list[int]:
+        """``tokens[first:first + size]`` without building the whole list."""
+        prompt = len(self.prompt_ids)
+        head = self.prompt_ids[first:first + size]
+        return head + self.output_ids[max(first - prompt, 0):first + size - prompt]
 
     @property
     def finished(self) -> bool:
@@ -122,7 +132,7 @@ class Scheduler:
         self._chunks = chunks  # requests already in this step are never preempted
         # Decodes first (each needs one token), oldest first; preempt the newest on shortage.
         for request in list(self.running):
-            if request not in self.running or request.num_computed < len(request.tokens) - 1:
+            if request not in self.running or request.num_computed < request.num_tokens - 1:
                 continue
             if budget == 0:
                 break
@@ -131,17 +141,17 @@ class Scheduler:
             chunks.append((request, 1))
             budget -= 1
         # Then prefill: running requests mid-prompt, then admissions from the queue.
-        candidates = [r for r in self.running if r.num_computed < len(r.tokens) - 1]
+        candidates = [r for r in self.running if r.num_computed < r.num_tokens - 1]
         for request in candidates:
             if budget == 0:
                 break
-            size = min(len(request.tokens) - request.num_computed, budget)
+            size = min(request.num_tokens - request.num_computed, budget)
             if self._reserve(request, size):
                 chunks.append((request, size))
                 budget -= size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            size = min(len(request.tokens) - request.num_computed, budget)
+            size = min(request.num_tokens - request.num_computed, budget)
             if not self._reserve(request, size, preempt=False):
                 break
             self.waiting.popleft()
@@ -188,13 +198,13 @@ class Scheduler:
             first = request.num_computed
             positions = np.arange(first, first + size)
             pages = np.asarray(request.pages, np.int32)
-            batch.token_ids[start:start + size] = request.tokens[first:first + size]
+            batch.token_ids[start:start + size] = request.token_slice(first, size)
             batch.positions[start:start + size] = positions
             batch.slot_mapping[start:start + size] = pages[positions // page_size] * page_size + positions % page_size
             batch.query_start[b + 1] = start + size
             batch.seq_lens[b] = first + size
             batch.page_table[b, :len(pages)] = pages
-            reaches_end = first + size == len(request.tokens)
+            reaches_end = first + size == request.num_tokens
             samples.append(reaches_end)
             if reaches_end:
                 batch.sample_index[b] = start + size - 1
