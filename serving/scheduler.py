@@ -48,7 +48,7 @@ class Request:
         """``tokens[first:first + size]`` without building the whole list."""
         prompt = len(self.prompt_ids)
         head = self.prompt_ids[first:first + size]
-        return head + self.output_ids[max(first - prompt, 0):first + size - prompt]
+        return head + self.output_ids[max(first - prompt, 0):max(first + size - prompt, 0)]
 
     @property
     def finished(self) -> bool:

@@ -78,3 +78,12 @@ def run_workload(config, specs, seed) -> int:
             expected.append(fake_token(request.prompt_ids + expected))
         assert request.output_ids == expected and request.finish_reason == "length"
     return preemptions
+
+
+def test_token_slice_equals_slicing_the_whole_list():
+    from shiftjax.serving.scheduler import Request
+
+    request = Request(0, [1, 2, 3, 4, 5], SamplingParams(), (), output_ids=[6, 7, 8])
+    for first in range(9):
+        for size in range(9 - first):
+            assert request.token_slice(first, size) == request.tokens[first:first + size]
