@@ -39,6 +39,7 @@ from roofline import copy_bandwidth, time_fn  # noqa: E402
 from shiftjax.kernels import AttentionMetadata, ragged_paged_attention  # noqa: E402
 from shiftjax.kernels import reference as _reference  # noqa: E402
 from shiftjax.kernels.pallas_gpu import PallasAttentionConfig  # noqa: E402
+from shiftjax.kernels.testing import deal_pages  # noqa: E402
 
 # The reference is only the correctness check here; on the GPU it may hold more at once
 # (fewer unrolled tile groups, faster compile).
@@ -47,15 +48,7 @@ _reference._CHUNK_BUDGET_BYTES = 4 << 30
 
 def make_batch(rng, q_lens, seq_lens, *, q_heads, kv_slots, head_dim, page_size, layers, dtype):
     """Random q and a stacked cache whose pages are dealt to the sequences shuffled."""
-    pages_needed = [-(-s // page_size) for s in seq_lens]
-    max_pages = max(pages_needed)
-    num_pages = 1 + sum(pages_needed)
-    free = rng.permutation(np.arange(1, num_pages))
-    page_table = np.zeros((len(seq_lens), max_pages), np.int32)
-    used = 0
-    for b, n in enumerate(pages_needed):
-        page_table[b, :n] = free[used : used + n]
-        used += n
+    page_table, num_pages = deal_pages(rng, seq_lens, page_size)
     query_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     key = jax.random.key(int(rng.integers(1 << 30)))
     kq, kk, kv = jax.random.split(key, 3)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +57,7 @@ def big_moves(hlo: str) -> dict:
 def main():
     flags = os.environ.get("XLA_FLAGS", "")
     print("XLA_FLAGS:", flags, jax.devices(), flush=True)
-    weights, caches = model_gpu.inspect_hlo()
+    weights, caches = model_gpu.llama8b_weights_and_caches()
     bandwidth = copy_bandwidth(2 << 30)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(weights.tp)) - weights.tp.embed.nbytes
     original_run, original_sample = model.run_layers, steps.sample
@@ -72,7 +73,6 @@ def main():
                 batch.slot_mapping[b] = pages[32] * 16
                 batch.query_start[b + 1], batch.sample_index[b], batch.token_ids[b] = b + 1, b, b + 7
             dev = to_device(batch, weights)
-            import time
             start = time.perf_counter()
             exe = steps.make_step(weights, "tp", attention="pallas").lower(
                 steps.params_for(weights, "tp"), caches, dev).compile()

@@ -113,7 +113,7 @@ def check_pallas_against_reference(dtype: str):
         f"K caches equal: {np.array_equal(k_ref, k_pal)}")
 
 
-def inspect_hlo():
+def llama8b_weights_and_caches():
     config = LLAMA8B
     params = device_random_params(config, jnp.bfloat16)
     mesh = make_mesh(1, 1)
@@ -216,7 +216,7 @@ def main():
             RESULTS[f"{section}_error"] = repr(error)[:2000]
             log(f"{section} failed: {error!r}"[:3000])
     try:
-        weights, caches = inspect_hlo()
+        weights, caches = llama8b_weights_and_caches()
         decode_timing(weights, caches)
     except Exception as error:
         RESULTS["decode_error"] = repr(error)[:2000]

@@ -161,6 +161,15 @@ def _online_softmax_step(q, k, v, carry, mask):
     return o_next, m_next, l_next
 
 
+def _initial_carry(rows: int, head_dim: int):
+    """(o, m, l) of an online softmax that has seen no key yet."""
+    return (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), _MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+
+
 def _load_block(cache_ref, layer, slot, page_table_ref, seq, block, block_k, page_size):
     """Keys ``block * block_k ..`` of sequence ``seq``: [block_k, head_dim], via its pages.
 
@@ -188,11 +197,7 @@ def _decode_kernel(
     full = jnp.clip(kv_len // block_k, first, last)  # blocks with every key visible
     layer = layer_ref[0]
 
-    carry = (
-        jnp.zeros((rows, head_dim), jnp.float32),
-        jnp.full((rows,), _MASK_VALUE, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
+    carry = _initial_carry(rows, head_dim)
 
     @pl.when(last > first)
     def _():
@@ -253,11 +258,7 @@ def _prefill_kernel(
                 mask = key_pos[None, :] <= row_pos[:, None]
             return _online_softmax_step(q, k, v, carry, mask)
 
-        carry = (
-            jnp.zeros((rows, head_dim), jnp.float32),
-            jnp.full((rows,), _MASK_VALUE, jnp.float32),
-            jnp.zeros((rows,), jnp.float32),
-        )
+        carry = _initial_carry(rows, head_dim)
         carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
         o, _, l = lax.fori_loop(full, end, functools.partial(step, masked=True), carry)
         o = o / l[:, None]

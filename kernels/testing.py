@@ -28,6 +28,24 @@ class RaggedCase:
         )
 
 
+def deal_pages(rng: np.random.Generator, seq_lens: list[int], page_size: int, *,
+               max_pages: int | None = None, num_pages: int | None = None, extra_pages: int = 0):
+    """A page table giving each sequence the pages its length needs, dealt out shuffled from
+    pages ``1 .. num_pages - 1`` (page 0 stays the scratch page; unused entries are 0).
+    Returns ``(page_table, num_pages)``; the sizes default to as small as the lengths allow."""
+    pages_needed = [-(-s // page_size) for s in seq_lens]
+    max_pages = max_pages or max(1, max(pages_needed, default=1))
+    num_pages = num_pages or 1 + sum(pages_needed) + extra_pages
+    assert max(pages_needed, default=0) <= max_pages and 1 + sum(pages_needed) <= num_pages
+    free = rng.permutation(np.arange(1, num_pages))
+    page_table = np.zeros((len(seq_lens), max_pages), np.int32)
+    used = 0
+    for b, n in enumerate(pages_needed):
+        page_table[b, :n] = free[used : used + n]
+        used += n
+    return page_table, num_pages
+
+
 def random_case(
     rng: np.random.Generator,
     *,
@@ -53,16 +71,8 @@ def random_case(
     function serves many cases); by default they are as small as the case allows.
     """
     seq_lens = [c + n for c, n in zip(cached_lens, q_lens)]
-    pages_needed = [-(-s // page_size) for s in seq_lens]
-    max_pages = max_pages or max(1, max(pages_needed, default=1))
-    num_pages = num_pages or 1 + sum(pages_needed) + extra_pages
-    assert max(pages_needed, default=0) <= max_pages and 1 + sum(pages_needed) <= num_pages
-    free = rng.permutation(np.arange(1, num_pages))
-    page_table = np.zeros((len(q_lens), max_pages), np.int32)
-    used = 0
-    for b, n in enumerate(pages_needed):
-        page_table[b, :n] = free[used : used + n]
-        used += n
+    page_table, num_pages = deal_pages(rng, seq_lens, page_size, max_pages=max_pages,
+                                       num_pages=num_pages, extra_pages=extra_pages)
     query_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     tokens = num_tokens or int(query_start[-1]) + pad_tokens
     assert tokens >= query_start[-1]

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from shiftjax.layouts.specs import CACHE_SPEC
 from shiftjax.pytrees import unchecked_init
@@ -45,14 +44,10 @@ class CacheConfig:
         jnp.dtype(self.dtype)  # raises on an unknown dtype name
 
 
-def cache_spec() -> P:
-    return CACHE_SPEC
-
-
 def allocate_cache(mesh: Mesh, num_layers: int, kv_slots: int, head_dim: int, cache: CacheConfig) -> KVCache:
     """Zeroed caches, allocated on the devices with their final sharding (never on the host)."""
     shape = (num_layers, kv_slots, cache.num_pages, cache.page_size, head_dim)
-    sharding = NamedSharding(mesh, cache_spec())
+    sharding = NamedSharding(mesh, CACHE_SPEC)
 
     def zeros():
         return KVCache(k=jnp.zeros(shape, cache.dtype), v=jnp.zeros(shape, cache.dtype))

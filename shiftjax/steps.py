@@ -16,10 +16,10 @@ from flax import struct
 from jax import lax
 
 from shiftjax.batch import StepBatch
-from shiftjax.cache import KVCache, cache_spec
+from shiftjax.cache import KVCache
 from shiftjax.config import rope_inverse_frequencies
 from shiftjax.layouts.mesh import SP
-from shiftjax.layouts.specs import REPLICATED
+from shiftjax.layouts.specs import CACHE_SPEC, REPLICATED
 from shiftjax.model import (
     Context,
     embed_tokens,
@@ -92,7 +92,7 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", lay
 
     # Specs are read off the placed arrays, so they cannot disagree with the data.
     param_specs = [leaf.sharding.spec for leaf in param_leaves]
-    cache = cache_spec()
+    cache = CACHE_SPEC
     sharded = jax.shard_map(
         local_step, mesh=mesh,
         in_specs=(param_specs, cache, cache, REPLICATED),
