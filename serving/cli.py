@@ -1,4 +1,5 @@
-"""The ``shiftjax`` command: ``generate``, ``convert``, ``import-gguf``, ``prepare-default``."""
+"""The ``shiftjax`` command: one entry point, one module per subcommand (imported on use, so
+``shiftjax client`` never loads JAX)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ def main(argv: list[str] | None = None) -> int:
         "convert": _checkpoint_command("convert_main"),
         "import-gguf": _checkpoint_command("import_gguf_main"),
         "prepare-default": prepare_default_main,
+        "serve": _lazy_command("shiftjax.serving.serve_cli", "serve_main"),
+        "client": _lazy_command("shiftjax.serving.client_cli", "client_main"),
+        "bench": _lazy_command("shiftjax.serving.bench.cli", "bench_main"),
     }
     if not argv or argv[0] not in commands:
         print(f"usage: shiftjax {{{','.join(commands)}}} ...", file=sys.stderr)
@@ -23,10 +27,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _checkpoint_command(name: str):
-    def run(argv):
-        from shiftjax.checkpoints import cli
+    return _lazy_command("shiftjax.checkpoints.cli", name)
 
-        return getattr(cli, name)(argv)
+
+def _lazy_command(module: str, name: str):
+    def run(argv):
+        import importlib
+
+        return getattr(importlib.import_module(module), name)(argv)
 
     return run
 

@@ -65,7 +65,7 @@ def test_every_import_is_declared_in_build():
     allowed_lazy = {("shiftjax", "shiftjax/__init__.py")}
     violations = []
     for folder in deps:
-        for path in sorted((ROOT / folder).glob("*.py")):
+        for path in sorted((ROOT / folder).rglob("*.py")):  # subpackages (serving/bench) too
             for module in imported_modules(path):
                 if module.startswith(".."):
                     violations.append(f"{path.relative_to(ROOT)}: {module!r} leaves its folder")

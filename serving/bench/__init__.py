@@ -1,0 +1,1 @@
+"""The load generator and deployment comparison behind ``shiftjax bench`` (vLLM's metric definitions)."""

@@ -1,0 +1,130 @@
+"""The engine service's contract: what a front end submits and what streams back.
+
+Both front ends (gRPC in ``grpc_server.py``, OpenAI-compatible HTTP in ``http_server.py``)
+are thin adapters over one object satisfying :class:`EngineService`; neither knows about
+modes, buckets or pages. Errors a caller can act on are exceptions defined here, so each
+front end maps them to its own status codes in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
+
+from shiftjax.serving.errors import InvalidRequest, Overloaded, RequestFailed, Unavailable
+from shiftjax.serving.sampling_params import SamplingParams
+
+__all__ = ["InvalidRequest", "Overloaded", "RequestFailed", "Unavailable"]  # re-exported
+
+# Finish reasons, as the OpenAI API and vLLM spell them, plus the two a server needs.
+FINISH_STOP = "stop"  # end-of-sequence token, a stop token id or a stop string
+FINISH_LENGTH = "length"  # max_tokens reached
+FINISH_ABORT = "abort"  # cancelled, client gone, deadline passed, server shutting down
+FINISH_ERROR = "error"  # an internal error failed this request alone
+FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt, already tokenized, and how to continue it.
+
+    ``deadline`` is a ``time.monotonic()`` instant after which the request is aborted and
+    its pages freed; ``None`` means no deadline.
+    """
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    request_id: str | None = None  # the service assigns a unique id when None
+    deadline: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (before temperature and
+    filters, as vLLM reports it) and, when asked, the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    output_tokens: int
+    queue_seconds: float  # submit to first scheduled step
+    ttft_seconds: float  # submit to first token
+    e2e_seconds: float  # submit to finish
+    modes: tuple[str, ...]  # the mode of every step the request ran in
+    preemptions: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """What one engine step added to one request's output.
+
+    ``text`` is the new, complete UTF-8 text (bytes of a multi-byte character held back
+    until it is whole; a stop string and what follows it never appear). The last delta of
+    a stream has ``finish_reason`` and ``usage`` set; it may carry tokens too.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when params.logprobs
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    usage: Usage | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceStats:
+    """A snapshot, read when asked (never cached): the numbers metrics and ServerInfo show."""
+
+    running: int
+    waiting: int
+    num_pages: int  # usable pages (page 0, the scratch page, excluded)
+    free_pages: int
+    steps: int
+    switches: int
+    preemptions: int
+    tokens_by_mode: dict[str, int]
+    steps_by_mode: dict[str, int]
+    ready: bool
+    draining: bool
+
+
+class EngineService(Protocol):
+    """The engine as a service: submit, stream, cancel, inspect."""
+
+    tokenizer: object  # shiftjax.checkpoints.tokenizer.Tokenizer
+
+    def submit(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        """Validates and enqueues ``request`` at once (raising :class:`InvalidRequest`,
+        :class:`Overloaded` or :class:`Unavailable` before anything streams), and returns
+        the stream of its deltas. Closing the stream early (``aclose()``, or the consuming
+        task being cancelled) cancels the request and frees its pages."""
+        ...
+
+    def cancel(self, request_id: str) -> bool:
+        """Aborts a request; its stream ends with ``finish_reason == "abort"``. Returns
+        whether the request was still live."""
+        ...
+
+    def stats(self) -> ServiceStats: ...
+
+    def info(self) -> dict:
+        """Model, config, mesh, modes, buckets, page pool, policy and its timing table,
+        start-up compile figures: what ServerInfo and /v1/models report."""
+        ...
+
+
+def prompt_ids_or_error(ids: Sequence[int], vocab_size: int, field: str = "prompt_ids") -> tuple[int, ...]:
+    """``ids`` as a tuple, or :class:`InvalidRequest` naming ``field``."""
+    if len(ids) == 0:
+        raise InvalidRequest(field, "the prompt is empty; give at least one token")
+    for i, token in enumerate(ids):
+        if not 0 <= int(token) < vocab_size:
+            raise InvalidRequest(field, f"token id {token} at position {i} is outside the vocabulary [0, {vocab_size})")
+    return tuple(int(t) for t in ids)
