@@ -128,3 +128,26 @@ def prompt_ids_or_error(ids: Sequence[int], vocab_size: int, field: str = "promp
         if not 0 <= int(token) < vocab_size:
             raise InvalidRequest(field, f"token id {token} at position {i} is outside the vocabulary [0, {vocab_size})")
     return tuple(int(t) for t in ids)
+
+
+class EngineObserver(Protocol):
+    """What the engine service reports as it runs (``metrics.Metrics`` implements it).
+
+    Called on the engine thread; implementations must be cheap and thread-safe. Gauges
+    (running, waiting, free pages) are not pushed here: a collector reads
+    :meth:`EngineService.stats` at scrape time.
+    """
+
+    def on_startup(self, *, compile_seconds: float, executables: int, cache_hits: int) -> None: ...
+
+    def on_step(self, *, mode: str, num_tokens: int, num_seqs: int, seconds: float, switched: bool) -> None: ...
+
+    def on_token(self, *, first: bool, seconds_since_previous: float) -> None:
+        """One streamed token: ``first`` gives TTFT (seconds since submit), else the ITL gap."""
+        ...
+
+    def on_preemption(self) -> None: ...
+
+    def on_finish(self, *, usage: Usage, finish_reason: str) -> None:
+        """Queue time, TTFT, TPOT and end-to-end latency, token counters, finish reasons."""
+        ...
