@@ -1,0 +1,146 @@
+"""Metrics: known observer calls in, exact counts and sums out of the scraped text."""
+
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from shiftjax.serving.metrics import Metrics, start_metrics_server
+from shiftjax.serving.protocol import EngineObserver, ServiceStats, Usage
+
+
+def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
+    """Every sample of a scrape, keyed by (name, sorted labels)."""
+    text = metrics.render().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def stats(**overrides) -> ServiceStats:
+    fields = dict(running=3, waiting=5, num_pages=100, free_pages=75, steps=0, switches=0, preemptions=0,
+                  tokens_by_mode={}, steps_by_mode={}, ready=True, draining=False)
+    return ServiceStats(**(fields | overrides))
+
+
+def usage(prompt, output, queue, ttft, e2e) -> Usage:
+    return Usage(prompt_tokens=prompt, output_tokens=output, queue_seconds=queue, ttft_seconds=ttft,
+                 e2e_seconds=e2e, modes=("tp",) * output)
+
+
+def test_metrics_has_exactly_the_observer_hooks_with_their_keywords():
+    import inspect
+
+    hooks = [name for name in vars(EngineObserver) if name.startswith("on_")]
+    assert sorted(hooks) == ["on_finish", "on_preemption", "on_startup", "on_step", "on_token"]
+    for name in hooks:
+        assert inspect.signature(getattr(Metrics, name)) == inspect.signature(getattr(EngineObserver, name)), name
+
+
+def test_request_latencies_and_token_counts():
+    m = Metrics()
+    m.on_token(first=True, seconds_since_previous=0.5)
+    m.on_token(first=False, seconds_since_previous=0.03)
+    m.on_token(first=False, seconds_since_previous=0.05)
+    m.on_finish(usage=usage(7, 3, queue=0.25, ttft=0.5, e2e=0.9), finish_reason="length")
+    m.on_token(first=True, seconds_since_previous=2.0)
+    m.on_finish(usage=usage(11, 1, queue=1.5, ttft=2.0, e2e=2.0), finish_reason="stop")
+    m.on_finish(usage=usage(4, 0, queue=0.0, ttft=0.0, e2e=0.1), finish_reason="abort")
+    s = samples(m)
+
+    assert s[("shiftjax_time_to_first_token_seconds_count", ())] == 2
+    assert s[("shiftjax_time_to_first_token_seconds_sum", ())] == pytest.approx(2.5)
+    assert s[("shiftjax_time_to_first_token_seconds_bucket", (("le", "0.5"),))] == 1
+    assert s[("shiftjax_time_to_first_token_seconds_bucket", (("le", "+Inf"),))] == 2
+    assert s[("shiftjax_inter_token_latency_seconds_count", ())] == 2
+    assert s[("shiftjax_inter_token_latency_seconds_sum", ())] == pytest.approx(0.08)
+    # TPOT only for the request with >= 2 output tokens: (0.9 - 0.5) / 2
+    assert s[("shiftjax_time_per_output_token_seconds_count", ())] == 1
+    assert s[("shiftjax_time_per_output_token_seconds_sum", ())] == pytest.approx(0.2)
+    assert s[("shiftjax_request_queue_time_seconds_count", ())] == 3
+    assert s[("shiftjax_request_queue_time_seconds_sum", ())] == pytest.approx(1.75)
+    assert s[("shiftjax_e2e_request_latency_seconds_sum", ())] == pytest.approx(3.0)
+    assert s[("shiftjax_prompt_tokens_total", ())] == 22
+    assert s[("shiftjax_generation_tokens_total", ())] == 4
+    assert s[("shiftjax_request_finished_total", (("finish_reason", "length"),))] == 1
+    assert s[("shiftjax_request_finished_total", (("finish_reason", "stop"),))] == 1
+    assert s[("shiftjax_request_finished_total", (("finish_reason", "abort"),))] == 1
+
+
+def test_steps_by_mode_switches_preemptions_and_startup():
+    m = Metrics()
+    m.on_startup(compile_seconds=12.5, executables=8, cache_hits=6)
+    m.on_step(mode="tp", num_tokens=1, num_seqs=1, seconds=0.01, switched=False)
+    m.on_step(mode="sp", num_tokens=300, num_seqs=4, seconds=0.2, switched=True)
+    m.on_step(mode="sp", num_tokens=4, num_seqs=4, seconds=0.03, switched=False)
+    m.on_step(mode="tp", num_tokens=2, num_seqs=2, seconds=0.02, switched=True)
+    m.on_preemption()
+    m.on_preemption()
+    s = samples(m)
+
+    assert s[("shiftjax_steps_total", (("mode", "tp"),))] == 2
+    assert s[("shiftjax_steps_total", (("mode", "sp"),))] == 2
+    assert s[("shiftjax_step_tokens_total", (("mode", "sp"),))] == 304
+    assert s[("shiftjax_step_tokens_total", (("mode", "tp"),))] == 3
+    assert s[("shiftjax_step_duration_seconds_sum", (("mode", "sp"),))] == pytest.approx(0.23)
+    assert s[("shiftjax_step_duration_seconds_count", (("mode", "tp"),))] == 2
+    assert s[("shiftjax_step_batch_tokens_bucket", (("le", "256.0"), ("mode", "sp")))] == 1
+    assert s[("shiftjax_step_batch_tokens_bucket", (("le", "512.0"), ("mode", "sp")))] == 2
+    assert s[("shiftjax_mode_switches_total", ())] == 2
+    assert s[("shiftjax_preemptions_total", ())] == 2
+    assert s[("shiftjax_startup_compile_seconds", ())] == 12.5
+    assert s[("shiftjax_startup_executables", ())] == 8
+    assert s[("shiftjax_startup_compilation_cache_hits", ())] == 6
+
+
+def test_gauges_are_read_from_stats_at_every_scrape():
+    current = {"stats": stats()}
+    m = Metrics()
+    assert ("shiftjax_num_requests_running", ()) not in samples(m)  # not bound: absent, not zero
+    m.bind_stats(lambda: current["stats"])
+    s = samples(m)
+    assert s[("shiftjax_num_requests_running", ())] == 3
+    assert s[("shiftjax_num_requests_waiting", ())] == 5
+    assert s[("shiftjax_kv_pages", ())] == 100
+    assert s[("shiftjax_kv_pages_free", ())] == 75
+    assert s[("shiftjax_kv_page_utilization", ())] == 0.25
+    assert s[("shiftjax_ready", ())] == 1
+
+    current["stats"] = stats(running=0, waiting=0, free_pages=100, draining=True)
+    s = samples(m)
+    assert s[("shiftjax_num_requests_running", ())] == 0
+    assert s[("shiftjax_kv_page_utilization", ())] == 0
+    assert s[("shiftjax_ready", ())] == 0
+    assert s[("shiftjax_draining", ())] == 1
+
+
+def test_a_failing_stats_call_leaves_the_rest_of_the_scrape():
+    m = Metrics(stats=lambda: 1 / 0)
+    m.on_preemption()
+    s = samples(m)
+    assert s[("shiftjax_preemptions_total", ())] == 1
+    assert ("shiftjax_num_requests_running", ()) not in s
+
+
+def test_two_instances_share_nothing():
+    a, b = Metrics(), Metrics()
+    a.on_preemption()
+    assert samples(a)[("shiftjax_preemptions_total", ())] == 1
+    assert samples(b)[("shiftjax_preemptions_total", ())] == 0
+
+
+def test_metrics_server_on_its_own_port():
+    m = Metrics(stats=stats)
+    m.on_step(mode="sp", num_tokens=5, num_seqs=1, seconds=0.5, switched=False)
+    server, thread = start_metrics_server(m, 0)
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert 'shiftjax_steps_total{mode="sp"} 5.0' not in text  # steps, not tokens
+    assert 'shiftjax_steps_total{mode="sp"} 1.0' in text
+    assert "shiftjax_num_requests_waiting 5.0" in text
