@@ -1,0 +1,100 @@
+"""The ``openai`` bench backend: streamed ``/v1/completions`` over HTTP with ``httpx``.
+
+Token-id prompts go in ``prompt`` as a list of ints (the OpenAI API allows it), with
+``max_tokens`` the output length and vLLM's ``ignore_eos`` extension so that the output
+has exactly that length. Every server-sent event whose first choice carries text counts
+as one output chunk (TTFT, then ITL gaps); the token count is the ``usage`` the server
+sends at the end of the stream (``stream_options.include_usage``), else the chunk count.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+
+from shiftjax.serving.bench.metrics import RequestRecord, StreamClock
+
+
+class OpenAIBackend:
+    """One HTTP connection pool for the whole run; ``model`` defaults to the first model
+    ``/v1/models`` lists."""
+
+    name = "openai"
+
+    def __init__(self, server: str, *, model: str | None = None, api_key: str | None = None,
+                 endpoint: str = "/v1/completions"):
+        self.base_url = server if server.startswith(("http://", "https://")) else f"http://{server}"
+        self.model = model
+        self.endpoint = endpoint
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client: httpx.AsyncClient | None = None
+
+    async def __aenter__(self) -> "OpenAIBackend":
+        # No pool limit and no read timeout: the run's concurrency is the load generator's
+        # to set, and a request queued behind a long burst may wait minutes for its first token.
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url, headers=self._headers, timeout=httpx.Timeout(None, connect=30.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        )
+        if self.model is None:
+            self.model = await self._first_model()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._client.aclose()
+
+    async def _first_model(self) -> str:
+        try:
+            response = await self._client.get("/v1/models")
+            response.raise_for_status()
+            return response.json()["data"][0]["id"]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as error:
+            raise ConnectionError(
+                f"cannot read the model name from {self.base_url}/v1/models ({error!r}); "
+                "is the HTTP front end on (serve --http-port), or give --model"
+            ) from None
+
+    async def server_info(self) -> dict:
+        response = await self._client.get("/v1/models")
+        response.raise_for_status()
+        return response.json()
+
+    async def generate(self, record: RequestRecord, prompt_ids: list[int], clock=time.perf_counter) -> None:
+        """Sends one request and fills ``record`` with what its stream showed."""
+        payload = {
+            "model": self.model,
+            "prompt": prompt_ids,
+            "max_tokens": record.output_len,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        timer = StreamClock(record, clock)
+        server_tokens = None
+        try:
+            async with self._client.stream("POST", self.endpoint, json=payload) as response:
+                if response.status_code != 200:
+                    body = (await response.aread()).decode(errors="replace")
+                    record.error = f"HTTP {response.status_code}: {body[:500]}"
+                    return
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue  # blank separators and ": ping" comments
+                    data = line[len("data:"):].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    choices = chunk.get("choices") or ()
+                    if choices and choices[0].get("text"):
+                        timer.output_chunk()
+                    if usage := chunk.get("usage"):
+                        server_tokens = usage.get("completion_tokens")
+                        record.server_usage = usage
+                        record.modes = list(usage.get("modes") or ())
+            timer.finish(server_tokens)
+        except (httpx.HTTPError, ValueError, OSError) as error:
+            record.success = False
+            record.error = f"{type(error).__name__}: {error}"

@@ -1,0 +1,89 @@
+"""The bench's outputs: the table printed at the end of a run, and the JSON result file."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from shiftjax.serving.bench.metrics import LATENCY_METRICS
+
+METRIC_TITLES = {
+    "ttft": "Time to First Token",
+    "tpot": "Time per Output Token (excl. 1st token)",
+    "itl": "Inter-token Latency",
+    "e2el": "End-to-end Latency",
+}
+WIDTH = 50
+
+
+def summary_lines(result: dict) -> list[str]:
+    """The summary as ``vllm bench serve`` lays it out, so the two read side by side."""
+    summary, config = result["summary"], result["config"]
+
+    def row(name, value, digits=2):
+        text = f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+        return f"{name:<40}{text:>10}"
+
+    title = f" Serving Benchmark Result{' (' + result['label'] + ')' if result.get('label') else ''} "
+    lines = [title.center(WIDTH, "="),
+             row("Backend:", config["backend"]),
+             row("Traffic request rate:", _rate_text(config)),
+             row("Burstiness factor:", float(config["burstiness"])),
+             row("Maximum request concurrency:", str(config["max_concurrency"])),
+             row("Successful requests:", summary["completed"]),
+             row("Failed requests:", summary["failed"]),
+             row("Benchmark duration (s):", summary["duration_s"]),
+             row("Total input tokens:", summary["total_input_tokens"]),
+             row("Total generated tokens:", summary["total_output_tokens"]),
+             row("Request throughput (req/s):", summary["request_throughput"]),
+             ]
+    if summary["request_goodput"] is not None:
+        lines.append(row("Request goodput (req/s):", summary["request_goodput"]))
+    lines += [row("Output token throughput (tok/s):", summary["output_throughput"]),
+              row("Total token throughput (tok/s):", summary["total_token_throughput"])]
+    for name in LATENCY_METRICS:
+        stats = summary[name]
+        lines.append(METRIC_TITLES[name].center(WIDTH, "-"))
+        label = name.upper()
+        lines.append(row(f"Mean {label} (ms):", stats["mean_ms"]))
+        lines.append(row(f"Median {label} (ms):", stats["median_ms"]))
+        lines.append(row(f"Std {label} (ms):", stats["std_ms"]))
+        for key, value in stats.items():
+            if key.startswith("p") and key.endswith("_ms"):
+                lines.append(row(f"P{key[1:-3]} {label} (ms):", value))
+    if summary.get("mode_steps"):
+        lines.append(" Steps per mode (request-steps) ".center(WIDTH, "-"))
+        lines += [row(f"{mode}:", count) for mode, count in sorted(summary["mode_steps"].items())]
+    lines.append("=" * WIDTH)
+    return lines
+
+
+def _rate_text(config: dict) -> str:
+    if config["dataset"] == "trace":
+        return f"trace x{config['time_scale']:g}"
+    return "inf" if math.isinf(float(config["request_rate"])) else f"{float(config['request_rate']):g}"
+
+
+def print_summary_table(result: dict, file=None) -> None:
+    print("\n".join(summary_lines(result)), file=file or sys.stdout)
+
+
+def json_safe(value):
+    """``value`` with infinities and NaN as strings (``"inf"``), since JSON has no spelling
+    for them and other tools choke on Python's ``Infinity``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    return value
+
+
+def write_json(result: dict, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(json_safe(result), indent=1, allow_nan=False) + "\n")
+    print(f"result written to {path}", file=sys.stderr)

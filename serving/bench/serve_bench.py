@@ -1,0 +1,197 @@
+"""``shiftjax bench serve``: one workload against one running server.
+
+The workload (lengths, send times, prompt ids) is built from the seed before anything is
+sent, so two servers benchmarked with the same options get the same requests at the same
+offsets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime
+import math
+import sys
+
+import numpy as np
+
+from shiftjax.serving.bench import metrics, workloads
+from shiftjax.serving.bench.report import print_summary_table, write_json
+
+BACKENDS = ("grpc", "openai")
+
+
+@dataclasses.dataclass
+class ServeBenchConfig:
+    """Every option of one ``bench serve`` run (the result file records it whole)."""
+
+    server: str
+    backend: str = "grpc"
+    dataset: str = "random"
+    num_prompts: int = 100
+    input_len: int = 1024
+    output_len: int = 128
+    range_ratio: float = 0.0
+    trace: str | None = None
+    time_scale: float = 1.0
+    start: float = 0.0
+    duration: float | None = None
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    seed: int = 0
+    goodput: list[str] = dataclasses.field(default_factory=list)
+    percentiles: list[float] = dataclasses.field(default_factory=lambda: list(metrics.DEFAULT_PERCENTILES))
+    tokenizer: str | None = None
+    vocab_size: int | None = None
+    model: str | None = None
+    api_key_file: str | None = None
+    label: str | None = None
+    device: str | None = None
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.dataset not in ("random", "trace"):
+            raise ValueError(f"--dataset must be random or trace, got {self.dataset!r}")
+        if self.dataset == "trace" and not self.trace:
+            raise ValueError("--dataset trace needs --trace PATH (an Azure CSV or a JSONL trace)")
+        metrics.parse_goodput(self.goodput)  # refuses a bad SLO before anything is sent
+
+
+@dataclasses.dataclass
+class Workload:
+    requests: list[workloads.WorkloadRequest]
+    prompts: list[list[int]]
+    send_offsets: list[float]
+
+
+def build_workload(config: ServeBenchConfig) -> Workload:
+    """The requests, their prompt ids and their send times, all from ``config.seed``."""
+    rng = np.random.default_rng(config.seed)
+    if config.dataset == "random":
+        requests = workloads.random_requests(config.num_prompts, config.input_len, config.output_len,
+                                             config.range_ratio, rng)
+        offsets = workloads.arrival_offsets(len(requests), config.request_rate, config.burstiness, rng)
+    else:
+        rows = workloads.read_trace(config.trace)
+        requests = workloads.window_trace(rows, start_s=config.start, duration_s=config.duration,
+                                          time_scale=config.time_scale, max_requests=config.num_prompts)
+        offsets = [r.arrival_s for r in requests]
+    prompts = workloads.prompt_token_ids(requests, prompt_vocabulary(config), rng)
+    return Workload(requests, prompts, [float(t) for t in offsets])
+
+
+def prompt_vocabulary(config: ServeBenchConfig) -> np.ndarray:
+    """Ids prompts may use: ``--vocab-size`` (all of ``[0, N)``), else the non-special ids
+    of ``--tokenizer``, else of the default model's tokenizer when it is prepared."""
+    if config.vocab_size is not None:
+        return workloads.allowed_token_ids(config.vocab_size)
+    if config.tokenizer is not None:
+        return workloads.tokenizer_token_ids(config.tokenizer)
+    from shiftjax.checkpoints.default_model import default_cache_dir
+    from shiftjax.checkpoints.format import is_complete_checkpoint
+
+    if not is_complete_checkpoint(default_cache_dir()):
+        raise ValueError("give --tokenizer DIR or --vocab-size N (the default model is not prepared: "
+                         "`shiftjax prepare-default` prepares it)")
+    return workloads.tokenizer_token_ids(default_cache_dir())
+
+
+def make_backend(config: ServeBenchConfig):
+    api_key = open(config.api_key_file).read().strip() if config.api_key_file else None
+    if config.backend == "openai":
+        from shiftjax.serving.bench.openai_backend import OpenAIBackend
+
+        return OpenAIBackend(config.server, model=config.model, api_key=api_key)
+    from shiftjax.serving.bench.grpc_backend import GrpcBackend
+
+    return GrpcBackend(config.server, api_key=api_key)
+
+
+async def run_serve_bench(config: ServeBenchConfig, workload: Workload | None = None) -> dict:
+    """Runs one workload and returns the result: config, server info, per-request records
+    and the summary."""
+    from shiftjax.serving.bench.load_generator import run_load
+
+    workload = workload or build_workload(config)
+    slos = metrics.parse_goodput(config.goodput)
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    async with make_backend(config) as backend:
+        try:
+            server_info = await backend.server_info()
+        except Exception as error:  # info is a courtesy for the result file, not the run
+            server_info = {"error": f"{type(error).__name__}: {error}"}
+        records, duration = await run_load(backend, workload.requests, workload.prompts, workload.send_offsets,
+                                           max_concurrency=config.max_concurrency, progress=config.progress)
+    return {
+        "label": config.label,
+        "device": config.device,
+        "started": started,
+        "config": dataclasses.asdict(config),
+        "server_info": server_info,
+        "summary": metrics.summarize(records, duration, slos, config.percentiles),
+        "requests": [dataclasses.asdict(r) for r in records],
+    }
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that say what to send and when (shared with ``bench compare``)."""
+    parser.add_argument("--backend", choices=BACKENDS, default="grpc")
+    parser.add_argument("--dataset", choices=("random", "trace"), default="random")
+    parser.add_argument("--num-prompts", type=int, default=100, help="requests (a trace: at most this many)")
+    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--range-ratio", type=float, default=0.0,
+                        help="lengths uniform in [L*(1-r), L*(1+r)]")
+    parser.add_argument("--trace", help="an Azure trace CSV or a JSONL trace (timestamp ms, input_length, output_length)")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="multiply trace times by this (0.1: 10x faster)")
+    parser.add_argument("--start", type=float, default=0.0, help="seconds of trace time to skip")
+    parser.add_argument("--duration", type=float, default=None, help="seconds of trace time to replay")
+    parser.add_argument("--request-rate", type=float, default=math.inf, help="requests per second (inf: all at once)")
+    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson, < 1 burstier")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
+    parser.add_argument("--percentiles", default="50,90,99", help="comma-separated, as numpy.percentile takes them")
+    parser.add_argument("--tokenizer", help="a directory with tokenizer.json: prompts avoid its special tokens")
+    parser.add_argument("--vocab-size", type=int, default=None, help="prompt ids from [0, N) instead of a tokenizer")
+    parser.add_argument("--model", help="the model name for the openai backend (default: the first of /v1/models)")
+    parser.add_argument("--api-key-file")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def config_from_args(args: argparse.Namespace, server: str) -> ServeBenchConfig:
+    return ServeBenchConfig(
+        server=server, backend=args.backend, dataset=args.dataset, num_prompts=args.num_prompts,
+        input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio, trace=args.trace,
+        time_scale=args.time_scale, start=args.start, duration=args.duration, request_rate=args.request_rate,
+        burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed, goodput=args.goodput,
+        percentiles=[float(p) for p in args.percentiles.split(",")], tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size, model=args.model, api_key_file=args.api_key_file,
+        label=getattr(args, "label", None), device=getattr(args, "device", None), progress=not args.no_progress,
+    )
+
+
+def serve_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="shiftjax bench serve",
+                                     description="Benchmark a running server with vLLM's serving metrics.")
+    parser.add_argument("--server", required=True, metavar="HOST:PORT",
+                        help="gRPC address, or the HTTP address with --backend openai")
+    add_workload_arguments(parser)
+    parser.add_argument("--label", help="a name for this run in the result file")
+    parser.add_argument("--device", help='what the server ran on, e.g. "2x H200"; recorded in the result file')
+    parser.add_argument("--result-file", help="write the result (config, requests, summary) as JSON here")
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args, args.server)
+        result = asyncio.run(run_serve_bench(config))
+    except (ValueError, ConnectionError) as error:
+        print(f"shiftjax bench serve: {error}", file=sys.stderr)
+        return 2
+    print_summary_table(result)
+    if args.result_file:
+        write_json(result, args.result_file)
+    return 0 if result["summary"]["completed"] > 0 else 1

@@ -1,0 +1,28 @@
+"""The benchmark model shapes in benchmarks/configs/ read as the models they name."""
+
+from pathlib import Path
+
+import pytest
+
+from shiftjax.config import ModelConfig
+
+CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
+
+
+@pytest.mark.parametrize(
+    "name, hidden, intermediate, layers, heads",
+    [("Llama-3.1-8B", 4096, 14336, 32, 32), ("Llama-3.1-70B", 8192, 28672, 80, 64)],
+)
+def test_llama31_configs(name, hidden, intermediate, layers, heads):
+    config = ModelConfig.from_json_file(CONFIGS / name / "config.json")
+    assert config.architecture == "llama"
+    assert (config.hidden_size, config.intermediate_size, config.num_layers) == (hidden, intermediate, layers)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (heads, 8, 128)
+    assert config.vocab_size == 128256
+    assert config.rope_theta == 500000.0
+    assert config.max_position_embeddings == 131072
+    assert config.rms_norm_eps == 1e-5
+    assert config.tie_word_embeddings is False
+    scaling = config.rope_scaling
+    assert (scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor) == (8.0, 1.0, 4.0)
+    assert scaling.original_max_position_embeddings == 8192
