@@ -1,0 +1,144 @@
+"""Between the gRPC messages of ``shiftjax.v1`` and the engine service's types.
+
+Every check a client can fail raises :class:`InvalidRequest` naming the request field, so
+the server answers ``INVALID_ARGUMENT`` with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+from shiftjax.serving.errors import InvalidRequest
+from shiftjax.serving.proto.shiftjax.v1 import inference_pb2 as pb
+from shiftjax.serving.protocol import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Delta, GenerationRequest,
+                                       ServiceStats)
+from shiftjax.serving.sampling_params import SamplingParams
+
+FINISH_REASON = {FINISH_STOP: pb.FINISH_REASON_STOP, FINISH_LENGTH: pb.FINISH_REASON_LENGTH,
+                 FINISH_ABORT: pb.FINISH_REASON_ABORT}
+# Sampling fields declared `optional`: absent means the SamplingParams default.
+_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
+_PROMPT_FIELDS = ("prompt", "prompt_ids", "messages")
+
+
+def sampling_params_from(request: pb.GenerateRequest) -> SamplingParams:
+    if request.HasField("n") and request.n != 1:
+        raise InvalidRequest("n", f"only n=1 is supported, got {request.n}; send the request n times instead")
+    given = {name: getattr(request, name) for name in _OPTIONAL_SAMPLING_FIELDS if request.HasField(name)}
+    return SamplingParams(**given, stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids),
+                          ignore_eos=request.ignore_eos, logprobs=request.logprobs,
+                          top_logprobs=request.top_logprobs)
+
+
+def messages_from(messages) -> list[dict[str, str]]:
+    rendered = []
+    for i, message in enumerate(messages):
+        if not message.role:
+            raise InvalidRequest("messages", f"message {i} has no role; use system, user or assistant")
+        rendered.append({"role": message.role, "content": message.content})
+    return rendered
+
+
+def render_chat(tokenizer, messages) -> str:
+    """The chat template's prompt text; a template that refuses the conversation (most
+    raise on roles out of order) or a model without one is the request's fault."""
+    try:
+        return tokenizer.apply_chat_template(messages_from(messages), add_generation_prompt=True)
+    except InvalidRequest:
+        raise
+    except Exception as error:  # jinja2's TemplateError, CheckpointError: no template
+        raise InvalidRequest("messages", f"the chat template refused them: {error}") from None
+
+
+def prompt_ids_from(request: pb.GenerateRequest, tokenizer) -> tuple[int, ...]:
+    """Token ids of the one prompt given: text as offline ``generate`` encodes it (with the
+    tokenizer's special tokens), chat messages rendered then encoded without them."""
+    given = [name for name in _PROMPT_FIELDS if len(getattr(request, name))]
+    if len(given) > 1:
+        raise InvalidRequest(given[1], f"give only one of prompt, prompt_ids and messages, got {' and '.join(given)}")
+    if not given:
+        raise InvalidRequest("prompt", "the prompt is empty; give prompt, prompt_ids or messages")
+    if given[0] == "prompt_ids":
+        return tuple(request.prompt_ids)  # the service checks them against the model's vocabulary
+    if given[0] == "prompt":
+        ids = tokenizer.encode(request.prompt, add_special_tokens=True)
+    else:
+        ids = tokenizer.encode(render_chat(tokenizer, request.messages), add_special_tokens=False)
+    if not ids:
+        raise InvalidRequest(given[0], "encodes to no tokens")
+    return tuple(ids)
+
+
+def generation_request_from(request: pb.GenerateRequest, tokenizer, time_remaining: float | None) -> GenerationRequest:
+    """``time_remaining`` is the call's gRPC deadline in seconds from now (None: none), kept
+    as the request's own deadline so the engine aborts it even between streamed tokens."""
+    params = sampling_params_from(request)
+    deadline = None if time_remaining is None else time.monotonic() + time_remaining
+    return GenerationRequest(prompt_ids=prompt_ids_from(request, tokenizer), params=params,
+                             request_id=request.request_id or None, deadline=deadline)
+
+
+def response_from(delta: Delta) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(request_id=delta.request_id, token_ids=delta.token_ids, text=delta.text)
+    for entry in delta.logprobs:
+        response.logprobs.add(token_id=entry.token_id, logprob=entry.logprob,
+                              top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.top])
+    if delta.finish_reason is not None:
+        response.finish_reason = FINISH_REASON[delta.finish_reason]
+    if isinstance(delta.stop_reason, str):
+        response.stop_string = delta.stop_reason
+    elif delta.stop_reason is not None:
+        response.stop_token_id = delta.stop_reason
+    if delta.usage is not None:
+        u = delta.usage
+        response.usage.CopyFrom(pb.Usage(
+            prompt_tokens=u.prompt_tokens, output_tokens=u.output_tokens, queue_seconds=u.queue_seconds,
+            ttft_seconds=u.ttft_seconds, e2e_seconds=u.e2e_seconds, modes=u.modes, preemptions=u.preemptions))
+    return response
+
+
+def server_info_from(info: dict, stats: ServiceStats) -> pb.ServerInfoResponse:
+    """``info`` is ``service.info()``; fields it lacks stay at their zero values, and the
+    whole of it travels as JSON in ``info_json`` for whatever the typed fields miss."""
+    def ints(key):
+        return [int(v) for v in info.get(key) or ()]
+
+    return pb.ServerInfoResponse(
+        model=str(info.get("model", "")), modes=[str(m) for m in info.get("modes", ())],
+        mesh={str(k): int(v) for k, v in dict(info.get("mesh") or {}).items()},
+        token_buckets=ints("token_buckets"), seq_buckets=ints("seq_buckets"),
+        page_size=int(info.get("page_size", 0)), num_pages=stats.num_pages, free_pages=stats.free_pages,
+        max_model_len=int(info.get("max_model_len", 0)), policy=str(info.get("policy", "")),
+        timings=[pb.StepTiming(mode=str(mode), tokens=int(tokens), seqs=int(seqs), seconds=float(seconds))
+                 for (mode, tokens, seqs), seconds in _timing_rows(info.get("timings"))],
+        executables=int(info.get("executables", 0)), compile_cache_hits=int(info.get("cache_hits", 0)),
+        compile_seconds=float(info.get("compile_seconds", 0.0)), running=stats.running, waiting=stats.waiting,
+        steps=stats.steps, switches=stats.switches, preemptions=stats.preemptions,
+        steps_by_mode=stats.steps_by_mode, tokens_by_mode=stats.tokens_by_mode, ready=stats.ready,
+        draining=stats.draining, info_json=json.dumps(jsonable(info), sort_keys=True))
+
+
+def _timing_rows(timings):
+    """(mode, tokens, seqs), seconds pairs from a dict keyed by tuples or a list of rows."""
+    if isinstance(timings, dict):
+        return [(key, seconds) for key, seconds in timings.items() if isinstance(key, tuple) and len(key) == 3]
+    rows = []
+    for row in timings or ():
+        if isinstance(row, dict):
+            rows.append(((row["mode"], row["tokens"], row["seqs"]), row["seconds"]))
+    return rows
+
+
+def jsonable(value):
+    """``value`` with tuple keys joined by '/', dataclasses as dicts, unknown objects as str."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {"/".join(map(str, k)) if isinstance(k, tuple) else str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)

@@ -1,0 +1,235 @@
+"""The gRPC front end against a deterministic fake engine service (tests/grpc_harness.py):
+messages in and out, status codes, cancellation, deadlines, health, the bearer token, TLS
+and reflection. The default model's turn is in test_grpc_default_model.py."""
+
+import json
+import subprocess
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from grpc_harness import FakeEngineService, ServerThread, expected_output
+from shiftjax.checkpoints.default_model import default_model_path
+from shiftjax.checkpoints.tokenizer import Tokenizer
+from shiftjax.serving.client import Client
+from shiftjax.serving.proto.shiftjax.v1 import inference_pb2 as pb
+
+FREE_AT_ONCE_SECONDS = 0.5  # how soon pages must be back after a cancel or an expired deadline
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.from_dir(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def fake(tokenizer):
+    return FakeEngineService(tokenizer, fail_on_prompt=(7, 7, 7))
+
+
+@pytest.fixture(scope="module")
+def server(fake):
+    thread = ServerThread(fake)
+    yield thread
+    thread.stop()
+
+
+@pytest.fixture
+def client(server):
+    with Client(server.address, timeout=30.0) as c:
+        c.wait_until_serving(10.0, poll_seconds=0.05)
+        yield c
+
+
+def wait_for(condition, seconds: float) -> bool:
+    give_up = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > give_up:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_checked_in_generated_code_is_what_protoc_writes():
+    from shiftjax.serving.proto import regenerate
+
+    assert regenerate.differences() == []
+
+
+def test_generate_streams_each_token_then_finish_reason_and_usage(client, tokenizer):
+    responses = list(client.generate(prompt_ids=[1, 2, 3], max_tokens=5))
+    assert [list(r.token_ids) for r in responses] == [[t] for t in expected_output([1, 2, 3], 5)]
+    assert "".join(r.text for r in responses) == tokenizer.decode(expected_output([1, 2, 3], 5))
+    assert [r.finish_reason for r in responses] == [0] * 4 + [pb.FINISH_REASON_LENGTH]
+    assert [r.HasField("usage") for r in responses] == [False] * 4 + [True]
+    usage = responses[-1].usage
+    assert (usage.prompt_tokens, usage.output_tokens, list(usage.modes)) == (3, 5, ["tp"] * 5)
+    assert len({r.request_id for r in responses}) == 1 and responses[0].request_id
+
+
+def test_text_and_chat_prompts_are_encoded_as_offline_generate_encodes_them(client, fake, tokenizer):
+    client.complete("Hello there", max_tokens=1)
+    assert fake.submitted[-1].prompt_ids == tuple(tokenizer.encode("Hello there", add_special_tokens=True))
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    client.complete(messages=messages, max_tokens=1)
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert fake.submitted[-1].prompt_ids == tuple(tokenizer.encode(rendered, add_special_tokens=False))
+    assert client.tokenize(messages=messages) == list(fake.submitted[-1].prompt_ids)
+
+
+def test_sampling_fields_reach_the_service_and_absent_ones_keep_their_defaults(client, fake):
+    client.complete(prompt_ids=[5], max_tokens=2, temperature=0.5, top_p=0.75, top_k=3, min_p=0.25, seed=9,
+                    stop=["ab"], stop_token_ids=[2], ignore_eos=True, logprobs=True, top_logprobs=2)
+    params = fake.submitted[-1].params
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.min_p, params.seed) == \
+        (2, 0.5, 0.75, 3, 0.25, 9)
+    assert (params.stop, params.stop_token_ids, params.ignore_eos, params.top_logprobs) == (("ab",), (2,), True, 2)
+    client.complete(prompt_ids=[5])
+    assert fake.submitted[-1].params == type(params)()
+
+
+def test_logprobs_and_stop_token_travel(client):
+    first = expected_output([4], 3)
+    completion = client.complete(prompt_ids=[4], max_tokens=8, stop_token_ids=[first[2]],
+                                 logprobs=True, top_logprobs=2)
+    assert completion.token_ids == first and completion.finish_reason == "stop"
+    assert [(lp.token_id, round(lp.logprob, 3), len(lp.top)) for lp in completion.logprobs] == \
+        [(t, -0.5, 2) for t in first]
+    last = list(client.generate(prompt_ids=[4], max_tokens=8, stop_token_ids=[first[2]]))[-1]
+    assert last.WhichOneof("stop_reason") == "stop_token_id" and last.stop_token_id == first[2]
+
+
+INVALID = [
+    ({}, "prompt"),
+    ({"prompt": "hi", "prompt_ids": [1]}, "prompt_ids"),
+    ({"prompt_ids": [1], "n": 2}, "n"),
+    ({"prompt_ids": [1], "max_tokens": 0}, "max_tokens"),
+    ({"prompt_ids": [1], "max_tokens": 100_000}, "max_tokens"),
+    ({"prompt_ids": [1], "temperature": -1.0}, "temperature"),
+    ({"prompt_ids": [1], "temperature": float("nan")}, "temperature"),
+    ({"prompt_ids": [1], "top_p": 0.0}, "top_p"),
+    ({"prompt_ids": [1], "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({"prompt_ids": [1], "top_logprobs": 1}, "top_logprobs"),
+    ({"prompt_ids": [1, 10**9]}, "prompt_ids"),
+    ({"prompt_ids": [-1]}, "prompt_ids"),
+    ({"messages": [{"role": "", "content": "x"}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize("fields, field", INVALID, ids=[f for _, f in INVALID])
+def test_invalid_requests_get_invalid_argument_naming_the_field(client, fake, fields, field):
+    with pytest.raises(grpc.RpcError) as caught:
+        client.complete(**fields)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith(f"{field}:"), caught.value.details()
+    assert fake.free_pages == fake.num_pages
+
+
+def test_full_queue_is_resource_exhausted_and_draining_service_unavailable(client, fake):
+    fake.max_running = 0
+    try:
+        with pytest.raises(grpc.RpcError) as caught:
+            client.complete(prompt_ids=[1])
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        fake.max_running = 64
+    fake.draining = True
+    try:
+        with pytest.raises(grpc.RpcError) as caught:
+            client.complete(prompt_ids=[1])
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        fake.draining = False
+
+
+def test_a_request_failing_mid_stream_is_internal_and_the_server_keeps_serving(client, fake):
+    call = client.generate(prompt_ids=[7, 7, 7], max_tokens=10)
+    with pytest.raises(grpc.RpcError) as caught:
+        list(call)
+    assert caught.value.code() == grpc.StatusCode.INTERNAL and "injected failure" in caught.value.details()
+    assert client.complete(prompt_ids=[1], max_tokens=3).token_ids == expected_output([1], 3)
+    assert fake.free_pages == fake.num_pages
+
+
+def test_cancelling_mid_stream_frees_the_pages_at_once(client, fake):
+    stream = client.generate(prompt_ids=[3], max_tokens=400)
+    for _ in range(3):
+        next(stream)
+    assert fake.free_pages < fake.num_pages
+    stream.close()  # leaving the loop early: the client cancels the call
+    cancelled_at = time.monotonic()
+    assert wait_for(lambda: fake.free_pages == fake.num_pages, FREE_AT_ONCE_SECONDS)
+    assert time.monotonic() - cancelled_at < FREE_AT_ONCE_SECONDS
+    assert client.info().free_pages == fake.num_pages
+
+
+def test_an_expired_deadline_frees_the_pages_at_once_and_reaches_the_service(client, fake):
+    before = time.monotonic()
+    with pytest.raises(grpc.RpcError) as caught:
+        client.complete(prompt_ids=[3], max_tokens=400, timeout=0.2)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_for(lambda: fake.free_pages == fake.num_pages, FREE_AT_ONCE_SECONDS)
+    deadline = fake.submitted[-1].deadline
+    assert deadline is not None and before < deadline < before + 0.2 + 0.05
+
+
+def test_tokenize_and_detokenize(client, tokenizer):
+    ids = client.tokenize("Shift parallelism", add_special_tokens=False)
+    assert ids == tokenizer.encode("Shift parallelism", add_special_tokens=False)
+    assert client.detokenize(ids) == "Shift parallelism"
+    with pytest.raises(grpc.RpcError) as caught:
+        client.detokenize([1, tokenizer.vocab_size])
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("token_ids:")
+
+
+def test_server_info_reports_the_service(client, fake):
+    info = client.info()
+    assert (info.model, list(info.modes), dict(info.mesh)) == ("fake", ["tp", "sp"], {"sp": 2, "tp": 2})
+    assert (list(info.token_buckets), list(info.seq_buckets), info.page_size) == ([16, 64], [4], 16)
+    assert (info.num_pages, info.free_pages, info.executables, info.policy) == (256, 256, 4, "auto")
+    assert sorted((t.mode, t.tokens, t.seqs, t.seconds) for t in info.timings) == \
+        [("sp", 64, 4, 0.02), ("tp", 16, 4, 0.01)]
+    assert info.ready and not info.draining
+    assert json.loads(info.info_json)["timings"] == {"sp/64/4": 0.02, "tp/16/4": 0.01}
+
+
+def health_status(address, **channel) -> str:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        status = stub.Check(health_pb2.HealthCheckRequest(service="shiftjax.v1.InferenceService"), timeout=5).status
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+
+
+def test_health_is_not_serving_until_ready_and_again_while_draining(tokenizer):
+    thread = ServerThread(None)
+    try:
+        client = Client(thread.address, timeout=10.0)
+        assert health_status(thread.address) == "NOT_SERVING" and client.health() == "NOT_SERVING"
+        with pytest.raises(grpc.RpcError) as caught:
+            client.complete(prompt_ids=[1])
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        service = FakeEngineService(tokenizer, step_seconds=0.01)
+        service.ready = False
+        thread.call_soon(thread.server.attach, service)
+        time.sleep(0.5)
+        assert client.health() == "NOT_SERVING"  # attached but not ready
+        service.ready = True
+        client.wait_until_serving(5.0, poll_seconds=0.05)
+        running = client.generate(prompt_ids=[2], max_tokens=60)  # ~0.6 s
+        first = next(running)
+        import asyncio
+
+        drained = asyncio.run_coroutine_threadsafe(thread.server.drain(10.0), thread.loop)
+        assert wait_for(lambda: client.health() == "NOT_SERVING", 2)
+        with pytest.raises(grpc.RpcError) as caught:
+            client.complete(prompt_ids=[1])
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        rest = list(running)  # the running request finishes within the grace
+        assert list(first.token_ids) + [t for r in rest for t in r.token_ids] == expected_output([2], 60)
+        drained.result(10)
+        assert service.free_pages == service.num_pages
+    finally:
+        thread.loop.call_soon_threadsafe(thread.loop.stop)
