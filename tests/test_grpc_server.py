@@ -233,3 +233,91 @@ def test_health_is_not_serving_until_ready_and_again_while_draining(tokenizer):
         assert service.free_pages == service.num_pages
     finally:
         thread.loop.call_soon_threadsafe(thread.loop.stop)
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory):
+    """A self-signed certificate for localhost and 127.0.0.1 (the openssl CLI: the
+    cryptography package is not installed here)."""
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert.read_bytes(), key.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def secure_server(fake, certificate):
+    thread = ServerThread(fake, tls=certificate, api_key="s3cret")
+    yield thread
+    thread.stop()
+
+
+def rpc_code(function, *args, **kwargs):
+    try:
+        result = function(*args, **kwargs)
+        if hasattr(result, "__next__"):
+            list(result)
+    except grpc.RpcError as error:
+        return error.code()
+    return grpc.StatusCode.OK
+
+
+def test_the_token_and_tls_refuse_and_admit_what_they_should(secure_server, certificate):
+    cert, _ = certificate
+    address = secure_server.address
+    with Client(address, root_certificates=cert, api_key="s3cret", timeout=10.0) as good:
+        assert good.complete(prompt_ids=[1], max_tokens=2).token_ids == expected_output([1], 2)
+        assert good.info().model == "fake"
+    for api_key in (None, "wrong", "s3cret "):
+        with Client(address, root_certificates=cert, api_key=api_key, timeout=10.0) as bad:
+            assert rpc_code(bad.generate, prompt_ids=[1], max_tokens=2) == grpc.StatusCode.UNAUTHENTICATED
+            assert rpc_code(bad.info) == grpc.StatusCode.UNAUTHENTICATED
+            assert rpc_code(bad.tokenize, "x") == grpc.StatusCode.UNAUTHENTICATED
+            assert bad.health() == "SERVING"  # health stays open to probes without credentials
+    with Client(address, api_key="s3cret", timeout=5.0) as plaintext:  # no TLS against a TLS port
+        assert rpc_code(plaintext.info) == grpc.StatusCode.UNAVAILABLE
+    with Client(address, tls=True, api_key="s3cret", timeout=5.0) as untrusted:  # system roots lack our CA
+        assert rpc_code(untrusted.info) == grpc.StatusCode.UNAVAILABLE
+    with grpc.secure_channel(address, grpc.ssl_channel_credentials(cert)) as channel:  # reflection is guarded too
+        from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        requests = iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+        assert rpc_code(stub.ServerReflectionInfo, requests, timeout=5) == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_client_knowing_only_reflection_lists_calls_and_streams(server, fake):
+    """No generated code: descriptors come from the server, message classes are built from
+    a fresh pool (independent of the generated modules this process has imported)."""
+    from google.protobuf import descriptor_pool, message_factory
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(server.address) as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        services = set(database.get_services())
+        assert {"shiftjax.v1.InferenceService", "grpc.health.v1.Health",
+                "grpc.reflection.v1alpha.ServerReflection"} <= services
+        pool = descriptor_pool.DescriptorPool(database)
+        service = pool.FindServiceByName("shiftjax.v1.InferenceService")
+        assert {m.name for m in service.methods} == {"Generate", "Tokenize", "Detokenize", "ServerInfo"}
+
+        def method_call(name, streaming):
+            method = service.methods_by_name[name]
+            request_class = message_factory.GetMessageClass(method.input_type)
+            response_class = message_factory.GetMessageClass(method.output_type)
+            make = channel.unary_stream if streaming else channel.unary_unary
+            call = make(f"/{service.full_name}/{name}", request_serializer=request_class.SerializeToString,
+                        response_deserializer=response_class.FromString)
+            return call, request_class
+
+        server_info, info_request = method_call("ServerInfo", streaming=False)
+        info = server_info(info_request(), timeout=10)
+        assert info.model == "fake" and info.num_pages == fake.num_pages
+        generate, generate_request = method_call("Generate", streaming=True)
+        responses = list(generate(generate_request(prompt_ids=[9, 9], max_tokens=4), timeout=10))
+        assert [t for r in responses for t in r.token_ids] == expected_output([9, 9], 4)
+        assert responses[-1].usage.output_tokens == 4
+        assert pool.FindEnumTypeByName("shiftjax.v1.FinishReason").values_by_number[
+            responses[-1].finish_reason].name == "FINISH_REASON_LENGTH"
