@@ -1,0 +1,133 @@
+"""A small deterministic EngineService for the HTTP front end's tests (no model, no JAX).
+
+The tokenizer is character-level (token id = code point), so expected texts, token
+counts and logprobs are known exactly. Every prompt is answered with :data:`REPLY`, one
+character per delta, ``token_delay`` seconds apart; the fake records what was submitted,
+cancelled and closed so tests can check that a disconnect frees the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+from shiftjax.serving.errors import InvalidRequest, Overloaded, RequestFailed, Unavailable
+from shiftjax.serving.protocol import (
+    FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Delta, GenerationRequest, ServiceStats, TokenLogprob,
+    Usage, prompt_ids_or_error,
+)
+
+REPLY = "Hello, wörld! ✓ Bye."
+EOS = 3
+VOCAB_SIZE = 0x3000
+
+
+def logprob_of(position: int) -> float:
+    return -0.125 * (position + 1)  # exact in binary, so JSON round trips compare equal
+
+
+class CharTokenizer:
+    """Token id = Unicode code point; EOS is id 3 (decoded only with special tokens)."""
+
+    vocab_size = VOCAB_SIZE
+    eos_token_ids = (EOS,)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join("" if (i == EOS and skip_special_tokens) else ("<eos>" if i == EOS else chr(i)) for i in ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        text = "".join(f"[{m['role']}]{m['content']}\n" for m in messages)
+        return text + ("[assistant]" if add_generation_prompt else "")
+
+
+class FakeService:
+    def __init__(self, *, token_delay: float = 0.0, max_model_len: int = 256):
+        self.tokenizer = CharTokenizer()
+        self.token_delay = token_delay
+        self.max_model_len = max_model_len
+        self.ready, self.draining, self.overloaded = True, False, False
+        self.fail_after: int | None = None  # tokens before an internal error, when set
+        self.raise_after: int | None = None  # tokens before the stream raises RequestFailed
+        self.submitted: list[GenerationRequest] = []
+        self.cancelled: list[str] = []
+        self.closed: list[str] = []
+        self.live: set[str] = set()
+        self._ids = itertools.count()
+
+    def submit(self, request: GenerationRequest):
+        if not self.ready or self.draining:
+            raise Unavailable("the fake is not ready")
+        if self.overloaded:
+            raise Overloaded("the fake's queue is full")
+        prompt_ids_or_error(request.prompt_ids, VOCAB_SIZE)
+        if len(request.prompt_ids) + request.params.max_tokens > self.max_model_len:
+            raise InvalidRequest("max_tokens", f"prompt plus max_tokens exceeds max_model_len {self.max_model_len}")
+        request_id = request.request_id or f"fake-{next(self._ids)}"
+        self.submitted.append(request)
+        self.live.add(request_id)
+        return self._stream(request_id, request, time.monotonic())
+
+    def cancel(self, request_id: str) -> bool:
+        self.cancelled.append(request_id)
+        live = request_id in self.live
+        self.live.discard(request_id)
+        return live
+
+    def stats(self) -> ServiceStats:
+        return ServiceStats(running=len(self.live), waiting=0, num_pages=64, free_pages=64 - 2 * len(self.live),
+                            steps=0, switches=0, preemptions=0, tokens_by_mode={}, steps_by_mode={},
+                            ready=self.ready, draining=self.draining)
+
+    def info(self) -> dict:
+        return {"model": "fake", "max_model_len": self.max_model_len}
+
+    async def _stream(self, request_id: str, request: GenerationRequest, start: float):
+        params = request.params
+        produced = ""
+        try:
+            for position, char in enumerate(REPLY + "\x03"):
+                await asyncio.sleep(self.token_delay)
+                if request_id not in self.live:  # cancelled
+                    yield Delta(request_id, finish_reason=FINISH_ABORT, usage=self._usage(request, position, start))
+                    return
+                if self.raise_after is not None and position == self.raise_after:
+                    raise RequestFailed("the fake failed")
+                if self.fail_after is not None and position == self.fail_after:
+                    yield Delta(request_id, finish_reason=FINISH_ERROR, usage=self._usage(request, position, start))
+                    return
+                token = ord(char)
+                logprobs = ()
+                if params.logprobs:
+                    top = ((token, logprob_of(position)), (ord("x"), -8.0))[:params.top_logprobs]
+                    logprobs = (TokenLogprob(token, logprob_of(position), top),)
+                finish, stop_reason, text = None, None, char
+                if token == EOS and not params.ignore_eos:
+                    finish, stop_reason, text = FINISH_STOP, None, ""
+                elif token in params.stop_token_ids:
+                    finish, stop_reason, text = FINISH_STOP, token, ""
+                else:
+                    for stop in params.stop:
+                        if stop in produced + char:
+                            finish, stop_reason = FINISH_STOP, stop
+                            text = (produced + char)[:(produced + char).index(stop)][len(produced):]
+                            break
+                if finish is None and position + 1 == params.max_tokens:
+                    finish = FINISH_LENGTH
+                produced += text
+                usage = self._usage(request, position + 1, start) if finish else None
+                yield Delta(request_id, token_ids=(token,), text=text, logprobs=logprobs, finish_reason=finish,
+                            stop_reason=stop_reason, usage=usage)
+                if finish:
+                    return
+        finally:
+            self.live.discard(request_id)
+            self.closed.append(request_id)
+
+    def _usage(self, request, output_tokens, start) -> Usage:
+        elapsed = time.monotonic() - start
+        return Usage(prompt_tokens=len(request.prompt_ids), output_tokens=output_tokens, queue_seconds=0.0,
+                     ttft_seconds=min(elapsed, 0.001), e2e_seconds=elapsed, modes=("tp",) * output_tokens)
