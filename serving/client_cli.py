@@ -1,0 +1,110 @@
+"""``shiftjax client generate|chat|info --server HOST:PORT``: the gRPC API from a terminal.
+
+Text is printed as it streams in; a summary (finish reason, tokens, time to first token,
+the modes the request's steps ran in) goes to stderr. Imports no JAX, so it starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+import grpc
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shiftjax client", description="Talk to a shiftjax gRPC server.")
+    connection = argparse.ArgumentParser(add_help=False)
+    connection.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
+    connection.add_argument("--api-key-file", type=Path, help="a file holding the server's bearer token")
+    connection.add_argument("--tls", action="store_true", help="connect with TLS (system roots unless --tls-ca)")
+    connection.add_argument("--tls-ca", type=Path, help="PEM file of the CA (or self-signed cert) to trust")
+    connection.add_argument("--timeout", type=float, default=None, help="deadline of each call, seconds")
+    sampling = argparse.ArgumentParser(add_help=False)
+    sampling.add_argument("--max-tokens", type=int, default=None)
+    sampling.add_argument("--temperature", type=float, default=None)
+    sampling.add_argument("--top-p", type=float, default=None)
+    sampling.add_argument("--top-k", type=int, default=None)
+    sampling.add_argument("--min-p", type=float, default=None)
+    sampling.add_argument("--seed", type=int, default=None)
+    sampling.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    sampling.add_argument("--stop-token-id", action="append", type=int, default=[], dest="stop_token_ids")
+    sampling.add_argument("--ignore-eos", action="store_true")
+    sampling.add_argument("--json", action="store_true", help="print each streamed response as a JSON line")
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", parents=[connection, sampling], help="continue a prompt")
+    generate.add_argument("prompt", nargs="?", default="")
+    generate.add_argument("--prompt-ids", default=None, metavar="1,2,3", help="the prompt as token ids")
+    chat = commands.add_parser("chat", parents=[connection, sampling], help="one user turn, chat template applied")
+    chat.add_argument("message")
+    chat.add_argument("--system", default=None, help="a system message before it")
+    commands.add_parser("info", parents=[connection], help="model, mesh, modes, buckets, page pool, policy")
+    return parser
+
+
+def _client(args):
+    from shiftjax.serving.client import Client
+
+    api_key = args.api_key_file.read_text().strip() if args.api_key_file else None
+    root = args.tls_ca.read_bytes() if args.tls_ca else None
+    return Client(args.server, api_key=api_key, tls=args.tls, root_certificates=root, timeout=args.timeout)
+
+
+def _sampling_fields(args) -> dict:
+    fields = {name: getattr(args, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
+              if getattr(args, name) is not None}
+    return fields | {"stop": args.stop, "stop_token_ids": args.stop_token_ids, "ignore_eos": args.ignore_eos}
+
+
+def _stream(responses, as_json: bool) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from shiftjax.serving.client import Completion
+
+    completion = Completion()
+    for response in responses:
+        completion.add(response)
+        if as_json:
+            print(json.dumps(MessageToDict(response)), flush=True)
+        else:
+            print(response.text, end="", flush=True)
+    if not as_json:
+        print()
+    usage = completion.usage
+    if usage is not None:
+        modes = ", ".join(f"{mode} x{count}" for mode, count in collections.Counter(usage.modes).items())
+        print(f"[{completion.finish_reason}; {usage.prompt_tokens} prompt + {usage.output_tokens} output tokens; "
+              f"queue {usage.queue_seconds * 1e3:.0f} ms, TTFT {usage.ttft_seconds * 1e3:.0f} ms, "
+              f"total {usage.e2e_seconds:.2f} s; steps by mode: {modes or 'none'}]", file=sys.stderr)
+    return 0
+
+
+def client_main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        with _client(args) as client:
+            if args.command == "info":
+                from google.protobuf.json_format import MessageToDict
+
+                info = MessageToDict(client.info(), preserving_proto_field_name=True)
+                info["info"] = json.loads(info.pop("info_json", "{}"))
+                print(json.dumps(info, indent=2))
+                return 0
+            fields = _sampling_fields(args)
+            if args.command == "chat":
+                messages = ([{"role": "system", "content": args.system}] if args.system else [])
+                return _stream(client.chat(messages + [{"role": "user", "content": args.message}], **fields), args.json)
+            if args.prompt_ids is not None:
+                fields["prompt_ids"] = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+            return _stream(client.generate(args.prompt, **fields), args.json)
+    except grpc.RpcError as error:
+        print(f"\nshiftjax client: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as error:
+        print(f"shiftjax client: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # the stream's generator cancels the call on its way out
+        return 130
