@@ -38,7 +38,6 @@ class FakeEngine:
         self.peak_in_flight = 0
         self.requests: list[dict] = []  # what each request asked for
         self.step_trace: list[dict] = []
-        self._start = time.monotonic()
 
     async def tokens(self, prompt_ids: list[int], max_tokens: int):
         """Yields ``(token_id, mode)`` on the schedule; returns when ``max_tokens`` are out."""
@@ -49,9 +48,8 @@ class FakeEngine:
             for i in range(max_tokens):
                 await asyncio.sleep(self.prefill_delay if i == 0 else self.token_delay)
                 mode = "sp" if self.in_flight >= self.sp_from else "tp"
-                self.step_trace.append({"t": time.monotonic() - self._start, "mode": mode,
-                                        "running": self.in_flight, "waiting": 0,
-                                        "tokens": len(prompt_ids) if i == 0 else 1})
+                self.step_trace.append({"time": time.time(), "mode": mode, "running": self.in_flight,
+                                        "waiting": 0, "num_tokens": len(prompt_ids) if i == 0 else 1})
                 yield 1000 + i, mode
         finally:
             self.in_flight -= 1

@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import math
 import sys
+import time
 
 import numpy as np
 
@@ -124,12 +125,14 @@ async def run_serve_bench(config: ServeBenchConfig, workload: Workload | None = 
             server_info = await backend.server_info()
         except Exception as error:  # info is a courtesy for the result file, not the run
             server_info = {"error": f"{type(error).__name__}: {error}"}
+        started_unix = time.time()  # to line the requests up with a server's step trace
         records, duration = await run_load(backend, workload.requests, workload.prompts, workload.send_offsets,
                                            max_concurrency=config.max_concurrency, progress=config.progress)
     return {
         "label": config.label,
         "device": config.device,
         "started": started,
+        "started_unix": started_unix,
         "config": dataclasses.asdict(config),
         "server_info": server_info,
         "summary": metrics.summarize(records, duration, slos, config.percentiles),

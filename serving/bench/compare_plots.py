@@ -1,0 +1,146 @@
+"""The plots of ``bench compare`` (matplotlib, Agg: no display needed).
+
+- ``<workload>_latency_vs_throughput.png``: TTFT and TPOT, p50 and p99, against output
+  throughput, one line per deployment through the request rates of a sweep.
+- ``<workload>_timeline.png``: per deployment, the mode of every step and the queue over
+  the run. From the server's step trace when ServerInfo carries one (``info_json``
+  ``step_trace``: ``time`` in Unix seconds, ``mode``, ``waiting``, ``running``); otherwise
+  reconstructed on the client from each request's ``usage.modes`` (one point per
+  request-step, prefill steps spread before the first token) and the requests in flight.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+MODE_ROWS = {"tp": 0, "sp": 1}
+
+
+def write_plots(report: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    written = []
+    for workload in report["workloads"]:
+        if workload["request_rates"] and len(workload["request_rates"]) > 1:
+            written.append(plot_latency_vs_throughput(report, workload["name"], out_dir))
+        if workload["timeline"]:
+            written.append(plot_timeline(report, workload["name"], out_dir))
+    return [p for p in written if p is not None]
+
+
+def _file_name(workload: str, kind: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", workload) + f"_{kind}.png"
+
+
+def _runs_of(report: dict, workload: str):
+    for deployment in report["deployments"]:
+        runs = [run for run in deployment["runs"] if run["workload"] == workload]
+        if runs:
+            yield deployment["name"], runs
+
+
+def plot_latency_vs_throughput(report: dict, workload: str, out_dir: Path) -> Path | None:
+    import matplotlib.pyplot as plt
+
+    figure, (ttft_axis, tpot_axis) = plt.subplots(1, 2, figsize=(12, 4.5))
+    plotted = False
+    for color, (name, runs) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4, _runs_of(report, workload)):
+        summaries = [run["result"]["summary"] for run in runs]
+        throughput = [s["output_throughput"] for s in summaries]
+        for axis, metric in ((ttft_axis, "ttft"), (tpot_axis, "tpot")):
+            axis.plot(throughput, [s[metric]["median_ms"] for s in summaries], "o-", color=color, label=f"{name} p50")
+            axis.plot(throughput, [s[metric]["p99_ms"] for s in summaries], "s--", color=color, label=f"{name} p99")
+        for run, x, s in zip(runs, throughput, summaries):
+            ttft_axis.annotate(f"{run['request_rate']:g}", (x, s["ttft"]["median_ms"]), fontsize=7,
+                               textcoords="offset points", xytext=(3, 3))
+        plotted = True
+    if not plotted:
+        plt.close(figure)
+        return None
+    for axis, title in ((ttft_axis, "TTFT"), (tpot_axis, "TPOT")):
+        axis.set_xlabel("output throughput (tokens/s)")
+        axis.set_ylabel(f"{title} (ms)")
+        axis.set_yscale("log")
+        axis.grid(True, which="both", alpha=0.3)
+        axis.set_title(f"{title} against throughput ({workload}; labels: request rate)")
+    ttft_axis.legend(fontsize=8)
+    figure.suptitle(f"device: {report.get('device') or 'unknown'}")
+    figure.tight_layout()
+    path = out_dir / _file_name(workload, "latency_vs_throughput")
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def client_mode_events(requests: list[dict]) -> tuple[np.ndarray, list[str]]:
+    """(time from the run's start, mode) of every request-step that the requests' usage
+    reports: decode steps at the request's output chunks, earlier (prefill) steps spread
+    evenly between its send and its first token."""
+    times, modes = [], []
+    for request in requests:
+        if not request["success"] or not request["modes"]:
+            continue
+        first = request["sent_at"] + request["ttft"]
+        chunk_times = first + np.concatenate([[0.0], np.cumsum(request["itl"])])
+        decode = min(len(chunk_times) - 1, len(request["modes"]) - 1)
+        prefill = len(request["modes"]) - decode
+        times += list(np.linspace(request["sent_at"], first, prefill + 1)[1:]) + list(chunk_times[1:decode + 1])
+        modes += list(request["modes"])
+    return np.asarray(times), modes
+
+
+def client_queue(requests: list[dict], grid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Requests waiting for their first token, and requests in flight, at each grid time."""
+    sent = np.array([r["sent_at"] for r in requests if r["success"]])
+    first = sent + np.array([r["ttft"] for r in requests if r["success"]])
+    done = sent + np.array([r["e2el"] for r in requests if r["success"]])
+    at = grid[:, None]
+    return ((sent <= at) & (at < first)).sum(axis=1), ((sent <= at) & (at < done)).sum(axis=1)
+
+
+def plot_timeline(report: dict, workload: str, out_dir: Path) -> Path | None:
+    import matplotlib.pyplot as plt
+
+    deployments = list(_runs_of(report, workload))
+    if not deployments:
+        return None
+    figure, axes = plt.subplots(2 * len(deployments), 1, figsize=(12, 3.2 * len(deployments)), sharex=True,
+                                squeeze=False, gridspec_kw={"height_ratios": [1, 2] * len(deployments)})
+    for index, (name, runs) in enumerate(deployments):
+        result = runs[-1]["result"]  # a trace is replayed once; of a sweep, the highest rate
+        mode_axis, queue_axis = axes[2 * index, 0], axes[2 * index + 1, 0]
+        trace = result.get("step_trace")
+        if trace:
+            times = np.array([s["time"] - result["started_unix"] for s in trace])
+            modes = [s["mode"] for s in trace]
+            queue_axis.step(times, [s.get("waiting", 0) for s in trace], where="post", label="waiting (server)")
+            queue_axis.step(times, [s.get("running", 0) for s in trace], where="post", label="running (server)")
+            source = "server step trace"
+        else:
+            times, modes = client_mode_events(result["requests"])
+            grid = np.linspace(0.0, result["summary"]["duration_s"], 600)
+            waiting, in_flight = client_queue(result["requests"], grid)
+            queue_axis.step(grid, waiting, where="post", label="awaiting first token (client)")
+            queue_axis.step(grid, in_flight, where="post", label="in flight (client)")
+            source = "per-request usage.modes"
+        rows = np.array([MODE_ROWS.get(m, 2) for m in modes])
+        for mode, row in MODE_ROWS.items():
+            chosen = rows == row
+            mode_axis.scatter(times[chosen], rows[chosen], s=4, alpha=0.5, label=mode)
+        mode_axis.set_yticks([0, 1], ["tp", "sp"])
+        mode_axis.set_ylim(-0.5, 1.5)
+        mode_axis.set_title(f"{name}: mode per step ({source})", fontsize=9)
+        queue_axis.set_ylabel("requests")
+        queue_axis.legend(fontsize=7, loc="upper right")
+        queue_axis.grid(True, alpha=0.3)
+    axes[-1, 0].set_xlabel("seconds from the start of the run")
+    figure.suptitle(f"{workload} (device: {report.get('device') or 'unknown'})")
+    figure.tight_layout()
+    path = out_dir / _file_name(workload, "timeline")
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

@@ -1,0 +1,89 @@
+"""bench compare: starts deployments (fake servers as subprocesses), health-checks them,
+runs the same workloads against each, stops them with SIGTERM, writes JSON, table, plots."""
+
+import json
+
+import numpy as np
+import pytest
+
+from shiftjax.serving.bench.cli import bench_main
+from shiftjax.serving.bench.compare import WorkloadSpec, read_workloads
+from shiftjax.serving.bench.compare_plots import client_mode_events, client_queue
+from shiftjax.serving.bench.server_process import Deployment, read_deployments
+
+FAKE = ["{python}", "-m", "shiftjax.serving.bench.fake_server", "--port", "{port}", "--http-port", "{http_port}",
+        "--startup-delay", "0.5", "--prefill-delay", "0.02"]
+
+
+def test_compare_runs_every_deployment_on_the_same_requests(tmp_path):
+    trace = tmp_path / "burst.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": t, "input_length": 16, "output_length": 4}) + "\n"
+                             for t in [0, 10, 20, 30, 40, 400, 800]))
+    deployments = tmp_path / "deployments.json"
+    deployments.write_text(json.dumps({"device": "loopback", "deployments": [
+        {"name": "fast", "command": FAKE + ["--token-delay", "0.004", "--sp-from", "3"]},
+        {"name": "slow", "command": FAKE + ["--token-delay", "0.03", "--sp-from", "3"]},
+        {"name": "broken", "command": ["{python}", "-c", "raise SystemExit(3)"]},
+    ]}))
+    workloads = tmp_path / "workloads.json"
+    workloads.write_text(json.dumps([
+        {"name": "sweep", "input_len": 8, "output_len": 3, "num_prompts": 6, "request_rates": [30, "inf"]},
+        {"name": "bursty trace", "dataset": "trace", "trace": str(trace), "time_scale": 0.5},
+    ]))
+    out = tmp_path / "out"
+    code = bench_main(["compare", "--deployments", str(deployments), "--workloads", str(workloads),
+                       "--out-dir", str(out), "--vocab-size", "300", "--no-progress", "--goodput", "ttft:5000"])
+    assert code == 1  # the broken deployment fails the invocation, after the others ran
+
+    report = json.loads((out / "compare.json").read_text())
+    assert report["device"] == "loopback"
+    fast, slow, broken = report["deployments"]
+    assert "exited with 3" in broken["error"] and broken["runs"] == []
+    for deployment in (fast, slow):
+        assert deployment["error"] is None and deployment["exit_code"] == 0  # SIGTERM, clean exit
+        assert [(r["workload"], r["request_rate"]) for r in deployment["runs"]] == [
+            ("sweep", 30.0), ("sweep", "inf"), ("bursty trace", None)]
+        assert all(r["result"]["summary"]["completed"] > 0
+                   and r["result"]["summary"]["failed"] == 0 for r in deployment["runs"])
+        assert all(r["result"]["device"] == "loopback" for r in deployment["runs"])
+    # the same requests went to both
+    for run_fast, run_slow in zip(fast["runs"], slow["runs"]):
+        lengths = lambda run: [(q["prompt_len"], q["output_len"], q["scheduled_at"]) for q in run["result"]["requests"]]  # noqa: E731
+        assert lengths(run_fast) == lengths(run_slow)
+    tpot = lambda d: d["runs"][1]["result"]["summary"]["tpot"]["median_ms"]  # noqa: E731
+    assert tpot(slow) > 3 * tpot(fast)
+    trace_run = fast["runs"][2]["result"]
+    assert trace_run["step_trace"] and {s["mode"] for s in trace_run["step_trace"]} == {"tp", "sp"}
+    assert len(trace_run["requests"]) == 7
+
+    table = (out / "compare.md").read_text()
+    assert "| fast" in table and "| slow" in table and "TTFT p99" in table
+    plots = {p.split("/")[-1] for p in report["plots"]}
+    assert plots == {"sweep_latency_vs_throughput.png", "bursty_trace_timeline.png"}
+    assert all((out / name).stat().st_size > 10_000 for name in plots)
+    assert (out / "logs" / "fast.log").is_file()
+
+
+def test_client_timeline_reconstruction_by_hand():
+    request = {"success": True, "sent_at": 1.0, "ttft": 0.5, "itl": [0.1, 0.2], "e2el": 0.8,
+               "modes": ["sp", "sp", "tp", "tp"]}
+    times, modes = client_mode_events([request])
+    # two prefill steps spread up to the first token at 1.5, two decode steps at 1.6 and 1.8
+    assert times == pytest.approx([1.25, 1.5, 1.6, 1.8])
+    assert modes == ["sp", "sp", "tp", "tp"]
+    waiting, in_flight = client_queue([request], np.array([1.2, 1.6, 1.9]))
+    assert waiting.tolist() == [1, 0, 0] and in_flight.tolist() == [1, 1, 0]
+
+
+def test_configuration_errors_name_what_is_wrong(tmp_path):
+    with pytest.raises(ValueError, match="unknown keys"):
+        WorkloadSpec.from_dict({"name": "x", "input_length": 5})
+    assert read_workloads(['[{"name": "a", "request_rates": [1, "inf"]}]'])[0].request_rates == [1.0, float("inf")]
+    with pytest.raises(ValueError, match="unique"):
+        read_workloads(['[{"name": "a"}, {"name": "a"}]'])
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([{"name": "a"}]))
+    with pytest.raises(ValueError, match="command"):
+        read_deployments(path)
+    assert Deployment.from_dict({"name": "a", "command": "shiftjax serve --port {port}"}).command == [
+        "shiftjax", "serve", "--port", "{port}"]
