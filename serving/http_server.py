@@ -185,8 +185,9 @@ def create_app(service, *, model_name: str, api_key: str | None = None,
         body = await parse_body(request, schema.CompletionRequest)
         prompts = completion_prompts(body.prompt, tokenizer)
         top = body.logprobs or 0
-        base = schema.sampling_params(body, max_tokens=body.max_tokens or schema.COMPLETIONS_DEFAULT_MAX_TOKENS,
-                                      logprobs=body.logprobs is not None, top_logprobs=top)
+        max_tokens = schema.COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        base = schema.sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs is not None,
+                                      top_logprobs=top)
         if body.max_tokens is None:  # the OpenAI default of 16, but never past the model's length
             params = [_fit_default(base, len(p), max_model_len()) for p in prompts]
         else:
@@ -209,7 +210,7 @@ def create_app(service, *, model_name: str, api_key: str | None = None,
             raise InvalidRequest("messages", f"cannot be rendered with the model's chat template: {error}") from None
         prompt = prompt_ids_or_error(tokenizer.encode(text, add_special_tokens=False), tokenizer.vocab_size,
                                      "messages")
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # the OpenAI default: as much as the context allows
             length = max_model_len()
             if length is not None and length <= len(prompt):

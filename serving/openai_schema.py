@@ -90,7 +90,7 @@ def parse(model: type[BaseModel], body: Any) -> Any:
         first = error.errors()[0]
         loc = first["loc"]
         if first["type"] == "extra_forbidden":
-            raise InvalidRequest(str(loc[0]), "unknown parameter; this server does not implement it") from None
+            raise InvalidRequest(".".join(map(str, loc)), "unknown parameter; this server does not implement it") from None
         if loc and loc[0] == "prompt":
             raise InvalidRequest("prompt", "must be a string, a list of token ids, a list of strings "
                                            "or a list of token-id lists") from None

@@ -49,7 +49,8 @@ class FakeService:
         self.tokenizer = CharTokenizer()
         self.token_delay = token_delay
         self.max_model_len = max_model_len
-        self.ready, self.draining, self.overloaded = True, False, False
+        self.ready, self.draining = True, False
+        self.capacity: int | None = None  # live requests before Overloaded, when set
         self.fail_after: int | None = None  # tokens before an internal error, when set
         self.raise_after: int | None = None  # tokens before the stream raises RequestFailed
         self.submitted: list[GenerationRequest] = []
@@ -61,7 +62,7 @@ class FakeService:
     def submit(self, request: GenerationRequest):
         if not self.ready or self.draining:
             raise Unavailable("the fake is not ready")
-        if self.overloaded:
+        if self.capacity is not None and len(self.live) >= self.capacity:
             raise Overloaded("the fake's queue is full")
         prompt_ids_or_error(request.prompt_ids, VOCAB_SIZE)
         if len(request.prompt_ids) + request.params.max_tokens > self.max_model_len:
