@@ -8,11 +8,14 @@ commits the one small result array to the requests.
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 
 import jax
 
 from shiftjax.cache import CacheConfig, allocate_cache
 from shiftjax.serving import executables as exe
+from shiftjax.serving import page_pool
 from shiftjax.serving.policy import ShiftPolicy
 from shiftjax.serving.sampling_params import SamplingParams
 from shiftjax.serving.scheduler import Request, Scheduler, SchedulerConfig
@@ -24,7 +27,8 @@ from shiftjax.weights import ModelWeights
 class EngineConfig:
     max_model_len: int = 1024
     page_size: int = 16
-    num_pages: int | None = None  # default: every sequence slot can reach max_model_len
+    num_pages: int | None = None  # default: sized from device memory (page_pool.size_pool)
+    kv_memory_fraction: float | None = None  # of the memory weights and temporaries leave
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 256
     token_buckets: tuple[int, ...] | None = None  # default: BucketLadder.geometric
@@ -37,6 +41,7 @@ class EngineConfig:
     layer_loop: str = "auto"
     cache_dtype: str | None = None  # default: the weights' dtype
     max_queue: int = 1024
+    max_top_logprobs: int = 20  # alternatives a step can return per token (0: none, narrower result)
 
     def __post_init__(self):
         if self.max_model_len <= 0:
@@ -47,14 +52,42 @@ class EngineConfig:
             raise ValueError(f"attention must be reference, pallas or auto, got {self.attention!r}")
         if self.layer_loop not in ("scan", "unrolled", "auto"):
             raise ValueError(f"layer_loop must be scan, unrolled or auto, got {self.layer_loop!r}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be at least 2 (page 0 is scratch), got {self.num_pages}")
+        if self.kv_memory_fraction is not None and not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.num_pages is not None and self.kv_memory_fraction is not None:
+            raise ValueError("give num_pages or kv_memory_fraction, not both")
+        if not 0 <= self.max_top_logprobs <= 20:
+            raise ValueError(f"max_top_logprobs must be in [0, 20], got {self.max_top_logprobs}")
 
     def pages(self) -> int:
+        """``num_pages``, or the fallback where memory cannot be measured: every sequence
+        slot can reach max_model_len."""
         per_seq = -(-self.max_model_len // self.page_size)
         return self.num_pages or self.max_num_seqs * per_seq + 1
 
 
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """What one ``Engine.run_step`` did, for the service and its observer."""
+
+    mode: str
+    num_tokens: int  # scheduled tokens (before padding)
+    bucket: tuple[int, int]  # (tokens, seqs) of the executable that ran
+    requests: list[Request]  # the scheduled requests, in batch order
+    sampled: list[bool]  # per request: did it get a token
+    finished: list[Request]
+    switched: bool
+    seconds: float  # wall time of the step, host work included
+
+
 class Engine:
-    def __init__(self, weights: ModelWeights, config: EngineConfig, eos_token_ids=()):
+    """``report(message)``, if given, receives start-up progress lines (page pool, compiles)."""
+
+    def __init__(self, weights: ModelWeights, config: EngineConfig, eos_token_ids=(),
+                 report: Callable[[str], None] | None = None):
+        report = report or (lambda message: None)
         self.weights = weights
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
@@ -71,32 +104,60 @@ class Engine:
         else:
             ladder = exe.BucketLadder(tuple(config.token_buckets),
                                       tuple(config.seq_buckets or (config.max_num_seqs,)))
+        max_pages = -(-config.max_model_len // config.page_size)
+        layer_loop = config.layer_loop
+        if layer_loop == "auto":
+            layer_loop = "unrolled" if jax.default_backend() == "gpu" else "scan"
+        dtype = config.cache_dtype or str(weights.tp.embed.dtype)
+        compile_options = dict(max_pages=max_pages, attention=config.attention, layer_loop=layer_loop,
+                               max_top_logprobs=config.max_top_logprobs)
+        self.page_pool = page_pool.size_pool(
+            num_pages=config.num_pages, kv_memory_fraction=config.kv_memory_fraction,
+            fallback_pages=config.pages(), mesh_devices=weights.mesh.devices,
+            page_bytes=page_pool.page_bytes_per_device(model.num_layers, weights.layout.kv_slots,
+                                                       config.page_size, model.head_dim, dtype,
+                                                       weights.mesh.size),
+            temporary_bytes=lambda: exe.temporary_bytes(
+                weights, page_pool.abstract_cache(weights.mesh, model.num_layers, weights.layout.kv_slots,
+                                                  model.head_dim, config.page_size, dtype),
+                ladder, self.modes, **compile_options))
+        report(self.page_pool.explanation)
+        num_pages = self.page_pool.num_pages
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=min(config.max_num_batched_tokens, ladder.token_buckets[-1]),
             max_num_seqs=min(config.max_num_seqs, ladder.seq_buckets[-1]),
             max_model_len=config.max_model_len, page_size=config.page_size,
-            num_pages=config.pages(), max_queue=config.max_queue))
-        dtype = config.cache_dtype or str(weights.tp.embed.dtype)
-        cache = CacheConfig(num_pages=config.pages(), page_size=config.page_size, dtype=dtype)
-        self.caches = allocate_cache(weights.mesh, model.num_layers, weights.layout.kv_slots,
-                                     model.head_dim, cache)
-        max_pages = self.scheduler.config.max_pages_per_seq
-        layer_loop = config.layer_loop
-        if layer_loop == "auto":
-            layer_loop = "unrolled" if jax.default_backend() == "gpu" else "scan"
-        self.executables = exe.compile_all(weights, self.caches, ladder, self.modes, max_pages=max_pages,
-                                           attention=config.attention, layer_loop=layer_loop)
+            num_pages=num_pages, max_queue=config.max_queue))
+        self._cache_config = CacheConfig(num_pages=num_pages, page_size=config.page_size, dtype=dtype)
+        self.caches = self._allocate_caches()
+
+        def progress(done, total, elapsed):
+            report(f"compiled {done} of {total} executables, {elapsed:.1f} s")
+
+        self.executables = exe.compile_all(weights, self.caches, ladder, self.modes, progress=progress,
+                                           **compile_options)
         if config.mode == "auto" and len(self.modes) > 1 and config.shift_threshold is None:
             self.caches = exe.time_executables(self.executables, weights, self.caches, max_pages)
         self.policy = ShiftPolicy(config.mode, self.modes, self.executables.run_seconds,
                                   threshold=config.shift_threshold)
-        self.stats = {"steps": 0, "switches": 0, "tokens": 0, "last_mode": None}
+        self.stats = {"steps": 0, "switches": 0, "tokens": 0, "last_mode": None,
+                      "steps_by_mode": dict.fromkeys(self.modes, 0),
+                      "tokens_by_mode": dict.fromkeys(self.modes, 0)}
+
+    def _allocate_caches(self):
+        model = self.weights.config
+        return allocate_cache(self.weights.mesh, model.num_layers, self.weights.layout.kv_slots,
+                              model.head_dim, self._cache_config)
 
     @property
     def compile_seconds(self) -> float:
         """Compile time summed over executables (they compile concurrently, so the wall
         time is less)."""
         return sum(self.executables.compile_seconds.values())
+
+    @property
+    def num_pages(self) -> int:
+        return self.page_pool.num_pages
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
         vocab = self.weights.config.vocab_size
@@ -107,24 +168,55 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Runs one step; returns the requests that finished in it."""
+        report = self.run_step()
+        return [] if report is None else report.finished
+
+    def run_step(self) -> StepReport | None:
+        """Runs one step (None when there is nothing to run) and says what it did.
+
+        If the step raises, the requests scheduled in it are left to the caller (the
+        service fails them); caches lost to a failed donated call are reallocated and every
+        running request is preempted, to recompute what it had cached."""
+        start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if scheduled is None:
-            return []
+            return None
         num_tokens, num_seqs = self.executables.ladder.pick(scheduled.num_tokens, len(scheduled.requests))
         mode = self.policy.choose(num_tokens, num_seqs)
-        batch = exe.to_device(exe.pad_batch(scheduled.batch, num_tokens, num_seqs), self.weights)
-        executable = self.executables.get(mode, num_tokens, num_seqs)
-        out, self.caches = executable(params_for(self.weights, mode), self.caches, batch)
-        tokens, logprobs = exe.unpack_host(exe.packed_to_host(out.packed))
-        self._count(mode, scheduled.num_tokens)
-        return self.scheduler.commit(scheduled, tokens, logprobs, mode)
+        try:
+            batch = exe.to_device(exe.pad_batch(scheduled.batch, num_tokens, num_seqs), self.weights)
+            executable = self.executables.get(mode, num_tokens, num_seqs)
+            out, self.caches = executable(params_for(self.weights, mode), self.caches, batch)
+            result = exe.unpack_host(exe.packed_to_host(out.packed))
+        except Exception:
+            self._recover_caches()
+            raise
+        switched = self._count(mode, scheduled.num_tokens)
+        finished = self.scheduler.commit(scheduled, result.tokens, result.logprobs, mode,
+                                         result.top_ids, result.top_logprobs)
+        return StepReport(mode=mode, num_tokens=scheduled.num_tokens, bucket=(num_tokens, num_seqs),
+                          requests=scheduled.requests, sampled=scheduled.samples, finished=finished,
+                          switched=switched, seconds=time.perf_counter() - start)
 
-    def _count(self, mode: str, tokens: int) -> None:
+    def _recover_caches(self) -> None:
+        if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.caches)):
+            self.caches = self._allocate_caches()
+            self.scheduler.preempt_all()
+
+    def abort(self, request: Request, reason: str = "aborted") -> None:
+        """Ends ``request`` now and frees its pages (before the next schedule)."""
+        self.scheduler.abort(request, reason)
+
+    def _count(self, mode: str, tokens: int) -> bool:
         stats = self.stats
-        stats["switches"] += stats["last_mode"] not in (None, mode)
+        switched = stats["last_mode"] not in (None, mode)
+        stats["switches"] += switched
         stats["steps"] += 1
         stats["tokens"] += tokens
+        stats["steps_by_mode"][mode] += 1
+        stats["tokens_by_mode"][mode] += tokens
         stats["last_mode"] = mode
+        return switched
 
     def run_until_done(self, requests: list[Request]) -> None:
         while not all(r.finished for r in requests):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
+import threading
 import time
 
 import jax
@@ -76,7 +77,7 @@ def pad_batch(batch: StepBatch, num_tokens: int, num_seqs: int) -> StepBatch:
     n, b = batch.num_tokens, batch.num_seqs
     for name in ("token_ids", "positions", "slot_mapping"):
         getattr(padded, name)[:n] = getattr(batch, name)
-    for name in ("seq_lens", "sample_index", "temperature", "top_p", "top_k", "seed"):
+    for name in ("seq_lens", "sample_index", "temperature", "top_p", "top_k", "seed", "min_p", "top_logprobs"):
         getattr(padded, name)[:b] = getattr(batch, name)
     padded.page_table[:b] = batch.page_table
     padded.query_start[:b + 1] = batch.query_start
@@ -86,12 +87,19 @@ def pad_batch(batch: StepBatch, num_tokens: int, num_seqs: int) -> StepBatch:
 
 @dataclasses.dataclass
 class Executables:
-    """Compiled steps keyed by ``(mode, tokens, seqs)``, with compile and run times."""
+    """Compiled steps keyed by ``(mode, tokens, seqs)``, with compile and run times.
+
+    ``compile_seconds`` holds each executable's own compile time (they compile
+    concurrently); ``wall_seconds`` the whole start-up compile, ``cache_hits`` how many came
+    from JAX's persistent compilation cache."""
 
     ladder: BucketLadder
     compiled: dict
     compile_seconds: dict
     run_seconds: dict = dataclasses.field(default_factory=dict)
+    max_top_logprobs: int = 0
+    wall_seconds: float = 0.0
+    cache_hits: int = 0
 
     def get(self, mode: str, num_tokens: int, num_seqs: int):
         return self.compiled[(mode, num_tokens, num_seqs)]
@@ -102,31 +110,103 @@ def batch_sharding(weights: ModelWeights) -> NamedSharding:
 
 
 def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, modes, *,
-                max_pages: int, attention: str = "auto", layer_loop: str = "scan") -> Executables:
+                max_pages: int, attention: str = "auto", layer_loop: str = "scan",
+                max_top_logprobs: int = 0, progress=None) -> Executables:
     """Lowers every (mode, bucket) step against the real params and caches, then compiles
     them concurrently (XLA compiles outside the GIL; an unrolled 32-layer step takes ~40 s
-    on the H200 host, so a ladder compiled one by one would take minutes)."""
+    on the H200 host, so a ladder compiled one by one would take minutes).
+
+    ``progress(done, total, elapsed_seconds)``, if given, is called as each one finishes.
+    Counts the executables JAX's persistent compilation cache supplied (its
+    ``/jax/compilation_cache/cache_hits`` event)."""
+    start = time.perf_counter()
+    with JaxCompileEvents() as events:
+        lowered = _lower_all(weights, caches, ladder, modes, max_pages=max_pages, attention=attention,
+                             layer_loop=layer_loop, max_top_logprobs=max_top_logprobs)
+
+        def compile_one(key):
+            began = time.perf_counter()
+            compiled = lowered[key].compile()
+            return key, compiled, time.perf_counter() - began
+
+        compiled, seconds = {}, {}
+        workers = min(len(lowered), os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            for future in concurrent.futures.as_completed([pool.submit(compile_one, k) for k in lowered]):
+                key, executable, elapsed = future.result()
+                compiled[key], seconds[key] = executable, elapsed
+                if progress is not None:
+                    progress(len(compiled), len(lowered), time.perf_counter() - start)
+    return Executables(ladder, compiled, seconds, max_top_logprobs=max_top_logprobs,
+                       wall_seconds=time.perf_counter() - start, cache_hits=events.cache_hits)
+
+
+def _lower_all(weights, caches, ladder, modes, *, max_pages, attention, layer_loop, max_top_logprobs):
     sharding = batch_sharding(weights)
     lowered = {}
     for mode in modes:
-        step = make_step(weights, mode, attention=attention, layer_loop=layer_loop)
+        step = make_step(weights, mode, attention=attention, layer_loop=layer_loop,
+                         max_top_logprobs=max_top_logprobs)
         for t, b in ladder.pairs():
             if mode == "sp" and t % weights.dims.sp:
                 raise ValueError(f"token bucket {t} is not a multiple of sp={weights.dims.sp}")
             abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                                     empty_batch(t, b, max_pages))
             lowered[(mode, t, b)] = step.lower(params_for(weights, mode), caches, abstract)
+    return lowered
 
-    def compile_one(key):
-        start = time.perf_counter()
-        compiled = lowered[key].compile()
-        return key, compiled, time.perf_counter() - start
 
-    compiled, seconds = {}, {}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(lowered), os.cpu_count() or 1)) as pool:
-        for key, executable, elapsed in pool.map(compile_one, lowered):
-            compiled[key], seconds[key] = executable, elapsed
-    return Executables(ladder, compiled, seconds)
+def temporary_bytes(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, modes, *,
+                    max_pages: int, attention: str, layer_loop: str, max_top_logprobs: int) -> int:
+    """The largest per-device temporary buffer size of the largest bucket's step in any mode,
+    from XLA's memory analysis: what the page pool must leave free. ``caches`` may be
+    abstract (``ShapeDtypeStruct``) and small; the step updates them in place, so their
+    size does not change the temporaries."""
+    largest = BucketLadder((ladder.token_buckets[-1],), (ladder.seq_buckets[-1],))
+    lowered = _lower_all(weights, caches, largest, modes, max_pages=max_pages, attention=attention,
+                         layer_loop=layer_loop, max_top_logprobs=max_top_logprobs)
+    sizes = []
+    for step in lowered.values():
+        analysis = step.compile().memory_analysis()
+        sizes.append(0 if analysis is None else int(analysis.temp_size_in_bytes))
+    return max(sizes)
+
+
+class JaxCompileEvents:
+    """Counts, while entered, JAX's compile events from every thread: persistent-cache hits
+    and misses, and backend compiles (a cache hit is also a backend "compile" event, so
+    ``backend_compiles`` counts every executable JAX had to produce)."""
+
+    CACHE_HIT = "/jax/compilation_cache/cache_hits"
+    CACHE_MISS = "/jax/compilation_cache/cache_misses"
+    BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch, 0.10.2
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.cache_hits = 0
+        self.cache_misses = 0
+        self.backend_compiles = 0
+
+    def _on_event(self, event: str, **_):
+        with self._lock:
+            if event == self.CACHE_HIT:
+                self.cache_hits += 1
+            elif event == self.CACHE_MISS:
+                self.cache_misses += 1
+
+    def _on_duration(self, event: str, _seconds: float, **_):
+        if event == self.BACKEND_COMPILE:
+            with self._lock:
+                self.backend_compiles += 1
+
+    def __enter__(self) -> "JaxCompileEvents":
+        jax.monitoring.register_event_listener(self._on_event)
+        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_listener(self._on_event)
+        jax.monitoring.unregister_event_duration_listener(self._on_duration)
 
 
 def to_device(batch: StepBatch, weights: ModelWeights) -> StepBatch:
@@ -159,10 +239,22 @@ def time_executables(executables: Executables, weights: ModelWeights, caches: KV
 
 
 def packed_to_host(packed) -> np.ndarray:
-    """The step's ``[seqs, 2]`` int32 result on the host (replicated: any local shard)."""
+    """The step's ``[seqs, 2 + 2K]`` int32 result on the host (replicated: any local shard)."""
     return np.asarray(packed.addressable_shards[0].data)
 
 
-def unpack_host(packed: np.ndarray):
-    return packed[:, 0], packed[:, 1].copy().view(np.float32)
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """One step's samples on the host, unpacked by static offsets."""
+
+    tokens: np.ndarray  # [seqs] int32
+    logprobs: np.ndarray  # [seqs] float32, under the model
+    top_ids: np.ndarray  # [seqs, K] int32, most likely first (K = 0 when not compiled in)
+    top_logprobs: np.ndarray  # [seqs, K] float32
+
+
+def unpack_host(packed: np.ndarray) -> StepResult:
+    k = (packed.shape[1] - 2) // 2
+    return StepResult(tokens=packed[:, 0], logprobs=packed[:, 1].copy().view(np.float32),
+                      top_ids=packed[:, 2:2 + k], top_logprobs=packed[:, 2 + k:].copy().view(np.float32))
 

@@ -31,10 +31,13 @@ class Request:
     eos_token_ids: tuple[int, ...]
     output_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
+    # per output token, when params.top_logprobs: ((token id, logprob), ...) most likely first
+    output_top_logprobs: list[tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=list)
     pages: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None
     modes: list[str] = dataclasses.field(default_factory=list)  # mode of every step it ran in
+    preemptions: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -94,6 +97,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._ids = itertools.count()
         self._chunks: list[tuple[Request, int]] = []
+        self.num_preemptions = 0
 
     def add(self, prompt_ids: list[int], params: SamplingParams, eos_token_ids=()) -> Request:
         if not prompt_ids:
@@ -115,9 +119,10 @@ class Scheduler:
         self.waiting.append(request)
         return request
 
-    def abort(self, request: Request) -> None:
-        """Frees a request's pages at once (client gone, deadline passed)."""
-        request.finish_reason = request.finish_reason or "aborted"
+    def abort(self, request: Request, reason: str = "aborted") -> None:
+        """Ends a request and frees its pages at once (client gone, deadline passed, a stop
+        string matched: ``reason`` is its finish reason unless it already had one)."""
+        request.finish_reason = request.finish_reason or reason
         self._release(request)
         if request in self.waiting:
             self.waiting.remove(request)
@@ -177,7 +182,14 @@ class Scheduler:
                 self._preempt(victims[-1])
         return True
 
+    def preempt_all(self) -> None:
+        """Returns every running request to the queue to recompute (the caches were lost)."""
+        for request in reversed(list(self.running)):
+            self._preempt(request)
+
     def _preempt(self, request: Request) -> None:
+        request.preemptions += 1
+        self.num_preemptions += 1
         self._release(request)
         request.num_computed = 0
         self.waiting.appendleft(request)
@@ -212,11 +224,17 @@ class Scheduler:
                 batch.top_p[b] = request.params.top_p
                 batch.top_k[b] = request.params.top_k
                 batch.seed[b] = request.params.seed
+                batch.min_p[b] = request.params.min_p
+                batch.top_logprobs[b] = request.params.top_logprobs
             start += size
         return ScheduledStep(batch, num_tokens, [r for r, _ in chunks], samples)
 
-    def commit(self, step: ScheduledStep, tokens, logprobs, mode: str) -> list[Request]:
-        """Records a step's results; returns the requests that finished with it."""
+    def commit(self, step: ScheduledStep, tokens, logprobs, mode: str, top_ids=None, top_logprobs=None
+               ) -> list[Request]:
+        """Records a step's results; returns the requests that finished with it.
+
+        ``top_ids``/``top_logprobs`` (``[seqs, K]``, most likely first) give the alternatives
+        of the requests that asked for ``top_logprobs``."""
         finished = []
         for b, request in enumerate(step.requests):
             if request.finished:  # aborted while the step ran
@@ -228,6 +246,10 @@ class Scheduler:
             token = int(tokens[b])
             request.output_ids.append(token)
             request.output_logprobs.append(float(logprobs[b]))
+            wanted = request.params.top_logprobs
+            if wanted and top_ids is not None:
+                request.output_top_logprobs.append(
+                    tuple(zip(top_ids[b, :wanted].tolist(), top_logprobs[b, :wanted].tolist())))
             if token in request.eos_token_ids or token in request.params.stop_token_ids:
                 request.finish_reason = "stop"
             elif len(request.output_ids) >= request.params.max_tokens:

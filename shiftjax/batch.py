@@ -22,8 +22,10 @@ class StepBatch:
     Padding tokens have ``slot_mapping`` in page 0, the scratch page, and sit after
     ``query_start[-1]``; padding sequences have an empty query range and ``seq_lens`` 0.
     ``sample_index[b]`` is the token whose logits are sampled for sequence ``b``, or -1.
-    The random key of a sample is derived from ``seed`` and ``seq_lens``, so a sequence's
-    tokens do not depend on what else is in the batch.
+    ``top_logprobs[b]`` is how many alternatives sequence ``b`` wants (0: none); the step
+    packs as many as it was compiled for and the host keeps what was asked. The random key
+    of a sample is derived from ``seed`` and ``seq_lens``, so a sequence's tokens do not
+    depend on what else is in the batch.
     """
 
     token_ids: Int[BatchArray, "tokens"]
@@ -37,6 +39,8 @@ class StepBatch:
     top_p: Float[BatchArray, "seqs"]
     top_k: Int[BatchArray, "seqs"]
     seed: Int[BatchArray, "seqs"]
+    min_p: Float[BatchArray, "seqs"]
+    top_logprobs: Int[BatchArray, "seqs"]  # alternatives wanted (0: none; the step packs its max)
 
     @property
     def num_tokens(self) -> int:
@@ -61,4 +65,6 @@ def empty_batch(num_tokens: int, num_seqs: int, max_pages: int) -> StepBatch:
         top_p=np.ones(num_seqs, np.float32),
         top_k=np.zeros(num_seqs, np.int32),
         seed=np.zeros(num_seqs, np.int32),
+        min_p=np.zeros(num_seqs, np.float32),
+        top_logprobs=np.zeros(num_seqs, np.int32),
     )

@@ -1,11 +1,12 @@
-"""Sampling inside the step: greedy, temperature, top-k and top-p, one key per sequence."""
+"""Sampling inside the step: greedy, temperature, top-k, top-p and min-p, one key per
+sequence; and the model's most likely alternatives for ``top_logprobs``."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 
 def sample(
@@ -15,21 +16,28 @@ def sample(
     top_k: Int[Array, "seqs"],
     seed: Int[Array, "seqs"],
     step_of_seq: Int[Array, "seqs"],
+    *,
+    min_p: Float[Array, "seqs"] | None = None,
 ) -> tuple[Int[Array, "seqs"], Float[Array, "seqs"]]:
-    """Returns the sampled token of every row and its log-probability under the model.
+    """Returns the sampled token of every row and its log-probability under the model
+    (before temperature and filters, as vLLM reports it).
 
-    ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable those
-    filters. The key of row ``b`` is ``fold_in(key(seed[b]), step_of_seq[b])``, so a
-    sequence's samples are reproducible whatever else shares its batch.
+    ``temperature == 0`` is greedy; ``top_k == 0``, ``top_p == 1`` and ``min_p == 0``
+    disable those filters. The key of row ``b`` is ``fold_in(key(seed[b]), step_of_seq[b])``,
+    so a sequence's samples are reproducible whatever else shares its batch.
     """
     logits = logits.astype(jnp.float32)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if min_p is None:
+        min_p = jnp.zeros_like(temperature)
     # The filters sort the vocabulary (0.4-1.0 ms a step at 128k on the H200,
     # benchmarks/README.md); an all-greedy batch skips them.
 
     def draw():
-        sampled = _filtered_sample(logits, temperature, top_p, top_k, seed, step_of_seq)
+        safe_temperature = jnp.where(temperature > 0, temperature, 1.0)
+        filtered = filter_logits(logits / safe_temperature[:, None], top_p, top_k, min_p)
+        sampled = _gumbel_max(filtered, seed, step_of_seq)
         return jnp.where(temperature > 0, sampled, greedy)
 
     tokens = lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)
@@ -37,22 +45,38 @@ def sample(
     return tokens, chosen_logprob
 
 
-def _filtered_sample(logits, temperature, top_p, top_k, seed, step_of_seq):
-    """Temperature, top-k and top-p, then a Gumbel-max draw with one key per row."""
-    safe_temperature = jnp.where(temperature > 0, temperature, 1.0)
-    scaled = logits / safe_temperature[:, None]
+def filter_logits(
+    scaled: Float[Array, "seqs vocab"],
+    top_p: Float[Array, "seqs"],
+    top_k: Int[Array, "seqs"],
+    min_p: Float[Array, "seqs"],
+) -> Float[Array, "seqs vocab"]:
+    """``scaled`` (logits already divided by the temperature) with the tokens that top-k,
+    min-p and top-p remove set to ``-inf``, composed as vLLM composes them: top-k and
+    min-p (a token survives when its probability is at least ``min_p`` times the most
+    likely one's) are thresholds on the same values, and top-p then keeps the smallest
+    prefix whose mass, renormalised over the survivors, reaches ``top_p``. The most likely
+    token always survives."""
     descending = -jnp.sort(-scaled, axis=-1)
-    vocab = logits.shape[-1]
+    vocab = scaled.shape[-1]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     kth_value = jnp.take_along_axis(descending, (k - 1)[:, None], axis=-1)
-    # top-p keeps the smallest prefix whose probability reaches top_p (at least one token).
-    sorted_probs = jax.nn.softmax(descending, axis=-1)
+    # p >= min_p * p_max  <=>  logit >= logit_max + log(min_p); log(0) = -inf keeps all.
+    min_p_value = descending[:, :1] + jnp.log(min_p)[:, None]
+    cut = jnp.maximum(kth_value, min_p_value)
+    survivors = jnp.where(descending >= cut, descending, -jnp.inf)
+    sorted_probs = jax.nn.softmax(survivors, axis=-1)
     mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    keep_sorted = mass_before < top_p[:, None]
-    last_kept = jnp.sum(keep_sorted, axis=-1) - 1
+    keep_sorted = ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)) & (descending >= cut)
+    last_kept = jnp.maximum(jnp.sum(keep_sorted, axis=-1) - 1, 0)
     p_threshold = jnp.take_along_axis(descending, last_kept[:, None], axis=-1)
-    threshold = jnp.maximum(kth_value, p_threshold)
-    filtered = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    threshold = jnp.maximum(cut, p_threshold)
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
+def _gumbel_max(filtered, seed, step_of_seq):
+    """A draw from ``softmax(filtered)`` per row, with one key per row."""
+    vocab = filtered.shape[-1]
 
     def gumbel(seed_b, step_b):
         key = jax.random.fold_in(jax.random.key(seed_b.astype(jnp.uint32)), step_b)
@@ -60,3 +84,24 @@ def _filtered_sample(logits, temperature, top_p, top_k, seed, step_of_seq):
 
     noise = jax.vmap(gumbel)(seed, step_of_seq)
     return jnp.argmax(filtered + noise, axis=-1).astype(jnp.int32)
+
+
+def top_logprobs(
+    logits: Float[Array, "seqs vocab"],
+    wanted: Bool[Array, "seqs"],
+    count: int,
+) -> tuple[Int[Array, "seqs count"], Float[Array, "seqs count"]]:
+    """The ``count`` most likely tokens of every row and their log-probabilities under the
+    model, most likely first; zeros when no row of the batch asked (``wanted``), so a step
+    without ``top_logprobs`` requests skips the top-k over the vocabulary (a ``lax.cond``:
+    one executable serves both, where a static choice would double the executables)."""
+
+    def compute():
+        values, ids = lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), count)
+        return ids.astype(jnp.int32), values
+
+    def skip():
+        rows = logits.shape[0]
+        return jnp.zeros((rows, count), jnp.int32), jnp.zeros((rows, count), jnp.float32)
+
+    return lax.cond(jnp.any(wanted), compute, skip)

@@ -2,8 +2,9 @@
 
 Both have the contract ``out, caches = step(params, caches, batch)`` with the caches
 donated, both write the same cache arrays with the same PartitionSpec, and both sample
-inside the step so that one small ``[seqs, 2]`` int32 array (token, float32 log-prob bits)
-is all that goes to the host.
+inside the step so that one small ``[seqs, 2 + 2 * max_top_logprobs]`` int32 array (token,
+float32 log-prob bits, then the alternatives' ids and log-prob bits) is all that goes to
+the host.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from shiftjax.model import (
     tp_layer,
 )
 from shiftjax.pytrees import unchecked_init
-from shiftjax.sampling import sample
+from shiftjax.sampling import sample, top_logprobs
 from shiftjax.weights import ModelWeights, ShardedParams
 
 Mode = Literal["tp", "sp"]
@@ -40,7 +41,9 @@ MODES = ("tp", "sp")
 @unchecked_init
 @struct.dataclass
 class StepOutput:
-    packed: jax.Array  # [seqs, 2] int32: sampled token, bit pattern of its float32 log-prob
+    # [seqs, 2 + 2 * K] int32: sampled token, bit pattern of its float32 log-prob, then the
+    # K most likely tokens' ids and their log-prob bits (K = max_top_logprobs, maybe 0)
+    packed: jax.Array
     logits: jax.Array | None = None  # [seqs, vocab] float32, only when asked for (tests)
 
 
@@ -48,14 +51,19 @@ LAYER_LOOPS = ("scan", "unrolled")
 
 
 def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", layer_loop: str = "scan",
-              return_logits: bool = False):
+              return_logits: bool = False, max_top_logprobs: int = 0):
     """The jitted step of ``mode`` for these weights; caches (argument 1) are donated.
+
+    ``max_top_logprobs``: how many alternatives per sampled token the step can return
+    (static: it fixes the packed result's width); a step where no row asks skips the top-k.
 
     ``layer_loop``: ``"scan"`` (compile time flat in depth) or ``"unrolled"`` (faster on
     GPUs, where the scan copies each layer's weights; see ``model.run_layers``).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not 0 <= max_top_logprobs <= weights.config.vocab_size:
+        raise ValueError(f"max_top_logprobs must be in [0, vocab_size], got {max_top_logprobs}")
     if layer_loop not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
     config, dims, mesh = weights.config, weights.dims, weights.mesh
@@ -85,8 +93,12 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", lay
         rows = rms_norm(rows, params.final_norm, config.rms_norm_eps)
         logits = lm_logits(rows, params.embed, params.lm_head, dims)
         tokens, logprobs = sample(logits, batch.temperature, batch.top_p, batch.top_k,
-                                  batch.seed, batch.seq_lens)
-        packed = jnp.stack([tokens, lax.bitcast_convert_type(logprobs, jnp.int32)], axis=1)
+                                  batch.seed, batch.seq_lens, min_p=batch.min_p)
+        columns = [tokens[:, None], lax.bitcast_convert_type(logprobs, jnp.int32)[:, None]]
+        if max_top_logprobs:
+            top_ids, top_values = top_logprobs(logits, batch.top_logprobs > 0, max_top_logprobs)
+            columns += [top_ids, lax.bitcast_convert_type(top_values, jnp.int32)]
+        packed = jnp.concatenate(columns, axis=1)
         outputs = (packed, logits) if return_logits else (packed,)
         return outputs, k_cache, v_cache
 

@@ -1,0 +1,88 @@
+"""How many KV-cache pages the engine allocates: given, or what device memory leaves."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from shiftjax.cache import KVCache
+from shiftjax.layouts.specs import CACHE_SPEC
+
+DEFAULT_KV_MEMORY_FRACTION = 0.9  # of what weights and temporaries leave; the rest is headroom
+
+
+@dataclasses.dataclass(frozen=True)
+class PagePool:
+    """The chosen pool and a sentence saying how it was chosen (reported at start)."""
+
+    num_pages: int  # including page 0, the scratch page
+    sized_by: str  # "num_pages" | "memory" | "fallback"
+    explanation: str
+
+
+def page_bytes_per_device(num_layers: int, kv_slots: int, page_size: int, head_dim: int, dtype: str,
+                          num_devices: int) -> int:
+    """Bytes one page takes on one device: K and V, every layer, this device's share of the
+    slots (the slot axis is split over all devices)."""
+    local_slots = -(-kv_slots // num_devices)
+    return 2 * num_layers * local_slots * page_size * head_dim * jnp.dtype(dtype).itemsize
+
+
+def device_memory(devices) -> tuple[int, int] | None:
+    """``(limit, in_use)`` bytes of the fullest device, or None where the backend keeps no
+    memory statistics (the CPU)."""
+    stats = []
+    for device in devices:
+        try:
+            memory = device.memory_stats()
+        except Exception:  # backends without statistics raise or return None
+            memory = None
+        if not memory or "bytes_limit" not in memory:
+            return None
+        stats.append((int(memory["bytes_limit"]), int(memory.get("bytes_in_use", 0))))
+    return min(stats, key=lambda s: s[0] - s[1])
+
+
+def size_pool(*, num_pages: int | None, kv_memory_fraction: float | None, fallback_pages: int,
+              page_bytes: int, mesh_devices, temporary_bytes=None) -> PagePool:
+    """``num_pages`` when given; else ``kv_memory_fraction`` (default 0.9) of the device
+    memory left after the weights already placed and the executables' temporaries
+    (``temporary_bytes()``, called only when needed: it compiles a probe step); on a
+    backend without memory statistics, ``fallback_pages`` (every sequence slot can reach
+    max_model_len), saying so."""
+    if num_pages is not None:
+        return PagePool(num_pages, "num_pages", f"KV cache: {num_pages} pages (--num-pages)")
+    devices = list(np.asarray(mesh_devices).flat)
+    memory = device_memory(devices)
+    if memory is None:
+        note = (f"KV cache: {fallback_pages} pages (max_num_seqs x pages per max_model_len + 1): "
+                f"{devices[0].platform} devices report no memory statistics, so "
+                f"--kv-memory-fraction cannot apply; use --num-pages to choose")
+        return PagePool(fallback_pages, "fallback", note)
+    fraction = DEFAULT_KV_MEMORY_FRACTION if kv_memory_fraction is None else kv_memory_fraction
+    limit, in_use = memory
+    temporaries = int(temporary_bytes()) if temporary_bytes is not None else 0
+    left = limit - in_use - temporaries
+    pages = int(fraction * left) // page_bytes
+    if pages < 2:
+        raise ValueError(
+            f"no room for a KV cache: {limit / 2**30:.2f} GiB per device, {in_use / 2**30:.2f} GiB in use "
+            f"(weights), {temporaries / 2**30:.2f} GiB of step temporaries; use a smaller model or "
+            f"batch, or give --num-pages")
+    note = (f"KV cache: {pages} pages of {page_bytes / 2**20:.2f} MiB per device = "
+            f"{pages * page_bytes / 2**30:.2f} GiB, {fraction:.0%} of the {left / 2**30:.2f} GiB left of "
+            f"{limit / 2**30:.2f} GiB after weights ({in_use / 2**30:.2f} GiB) and step temporaries "
+            f"({temporaries / 2**30:.2f} GiB)")
+    return PagePool(pages, "memory", note)
+
+
+def abstract_cache(mesh, num_layers: int, kv_slots: int, head_dim: int, page_size: int, dtype: str):
+    """A two-page cache as ``ShapeDtypeStruct`` s with the cache sharding: enough to lower a
+    probe step without allocating anything."""
+    shape = (num_layers, kv_slots, 2, page_size, head_dim)
+    leaf = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=NamedSharding(mesh, CACHE_SPEC))
+    return KVCache(k=leaf, v=leaf)
