@@ -321,3 +321,44 @@ def test_a_client_knowing_only_reflection_lists_calls_and_streams(server, fake):
         assert responses[-1].usage.output_tokens == 4
         assert pool.FindEnumTypeByName("shiftjax.v1.FinishReason").values_by_number[
             responses[-1].finish_reason].name == "FINISH_REASON_LENGTH"
+
+
+# The server's threads use `random` (grpc), which Hypothesis notices and warns about.
+@pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")
+def test_malformed_and_out_of_range_requests_get_invalid_argument_and_leak_nothing(client, fake, tokenizer):
+    """The fake's quick run of the property; test_grpc_default_model.py runs it on the model."""
+    from hypothesis import HealthCheck, given, settings
+
+    from grpc_invalid_requests import generate_requests
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(generate_requests(tokenizer.vocab_size, fake.max_model_len))
+    def check(case):
+        check_one_request(client, case, lambda: fake.free_pages == fake.num_pages)
+
+    check()
+    assert {"valid", "refused"} <= set(OUTCOMES)
+
+
+OUTCOMES = []
+
+
+def check_one_request(client, case, pages_all_free):
+    """A request the oracle finds wrong gets INVALID_ARGUMENT naming one of its wrong fields;
+    a right one streams to a finish; either way a good request succeeds right after, and
+    every page is free again."""
+    request, wrong = case
+    try:
+        responses = list(client.stub.Generate(request, timeout=60))
+    except grpc.RpcError as error:
+        assert wrong, f"a valid request was refused: {error.code()} {error.details()}"
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        assert error.details().split(":")[0] in wrong, (error.details(), wrong)
+        OUTCOMES.append("refused")
+    else:
+        assert not wrong, f"accepted a request wrong in {wrong}"
+        assert responses[-1].finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+        assert responses[-1].usage.output_tokens == sum(len(r.token_ids) for r in responses) <= request.max_tokens
+        OUTCOMES.append("valid")
+    assert client.complete(prompt_ids=[1, 2], max_tokens=1).finish_reason is not None
+    assert wait_for(pages_all_free, 5), "pages leaked"

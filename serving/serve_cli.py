@@ -1,0 +1,195 @@
+"""``shiftjax serve``: one process serving the engine over gRPC and, when asked, the
+OpenAI-compatible HTTP API and Prometheus metrics.
+
+Start-up order: the gRPC port opens first with health ``NOT_SERVING`` (so orchestrators
+see a live process while executables compile), the service is built on a thread, then
+health turns ``SERVING`` and the HTTP and metrics ports open. SIGTERM or SIGINT drains:
+health ``NOT_SERVING``, new requests refused, running ones given ``--grace-seconds``,
+then exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("shiftjax.serve")
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    group.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    group.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (off unless given)")
+    group.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics port (off unless given)")
+    group.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain for gRPC TLS")
+    group.add_argument("--tls-key", type=Path, default=None, help="PEM private key for gRPC TLS")
+    group.add_argument("--api-key-file", type=Path, default=None,
+                       help="a file holding the bearer token both front ends require")
+    group.add_argument("--grace-seconds", type=float, default=30.0,
+                       help="on SIGTERM/SIGINT, how long running requests may take to finish")
+    group.add_argument("--served-model-name", default=None, help="the model name the HTTP API reports")
+
+
+def _parser() -> argparse.ArgumentParser:
+    from shiftjax.serving.engine_args import add_engine_arguments
+
+    parser = argparse.ArgumentParser(prog="shiftjax serve", description="Serve a model over gRPC (and HTTP).")
+    add_engine_arguments(parser)
+    add_server_arguments(parser)
+    return parser
+
+
+def _build_service(args, observer):
+    """The integration point with serving/engine_args.py: the engine service the parsed
+    engine options describe, with ``observer`` receiving its events. Runs on a thread."""
+    from shiftjax.serving.engine_args import build_service
+
+    return build_service(args, observer=observer)
+
+
+def _read_secrets(parser, args) -> tuple[tuple[bytes, bytes] | None, str | None]:
+    """TLS files and the API key, read before anything slow starts so a typo fails at once."""
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
+    try:
+        tls = (args.tls_cert.read_bytes(), args.tls_key.read_bytes()) if args.tls_cert else None
+        api_key = args.api_key_file.read_text().strip() if args.api_key_file else None
+    except OSError as error:
+        parser.error(str(error))
+    if args.api_key_file and not api_key:
+        parser.error(f"--api-key-file {args.api_key_file} is empty")
+    return tls, api_key
+
+
+def serve_main(argv: list[str]) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    tls, api_key = _read_secrets(parser, args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        return asyncio.run(_serve(args, tls, api_key))
+    except OSError as error:
+        log.error("%s", error)
+        return 1
+
+
+async def _serve(args, tls, api_key) -> int:
+    from shiftjax.serving.grpc_server import GrpcServer
+    from shiftjax.serving.metrics import Metrics
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+
+    grpc_server = GrpcServer(host=args.host, port=args.port, tls=tls, api_key=api_key)
+    await grpc_server.start()
+    scheme = "TLS" if tls else "plaintext"
+    log.info("gRPC listening on %s (%s%s); health NOT_SERVING until the executables are ready",
+             grpc_server.address, scheme, ", bearer token required" if api_key else "")
+
+    metrics = Metrics()
+    started = time.monotonic()
+    service = await _build_or_stop(args, metrics, stop)
+    if service is None:
+        log.info("stopped during start-up")
+        await grpc_server.server.stop(0)
+        return 0
+    metrics.bind_stats(service.stats)
+    _log_startup(service, time.monotonic() - started)
+
+    http_server = http_task = metrics_server = None
+    if args.http_port is not None:
+        from shiftjax.serving.http_server import create_app, uvicorn_server
+
+        app = create_app(service, model_name=args.served_model_name or _model_name(service), api_key=api_key,
+                         metrics=metrics)
+        http_server = uvicorn_server(app, host=args.host, port=args.http_port)
+        http_server.config.timeout_graceful_shutdown = max(1, round(args.grace_seconds))
+        http_task = loop.create_task(http_server.serve())
+        while not http_server.started and not http_task.done():
+            await asyncio.sleep(0.05)
+        if http_task.done():  # uvicorn failed to bind; it logged why
+            raise OSError(f"cannot serve HTTP on {args.host}:{args.http_port}")
+        log.info("serving OpenAI-compatible HTTP on http://%s:%d/v1", args.host, args.http_port)
+    if args.metrics_port is not None:
+        from shiftjax.serving.metrics import start_metrics_server
+
+        metrics_server, _ = start_metrics_server(metrics, args.metrics_port, args.host)
+        log.info("serving Prometheus metrics on http://%s:%d/metrics", args.host, metrics_server.server_port)
+
+    grpc_server.attach(service)
+    log.info("serving gRPC on %s (shiftjax.v1.InferenceService, health, reflection)", grpc_server.address)
+    await stop.wait()
+
+    log.info("draining: health NOT_SERVING, new requests refused, %.0f s for running ones", args.grace_seconds)
+    _begin_service_drain(service)
+    drains = [grpc_server.drain(args.grace_seconds)]
+    if http_server is not None:
+        http_server.should_exit = True
+        drains.append(http_task)
+    await asyncio.gather(*drains, return_exceptions=True)
+    if metrics_server is not None:
+        metrics_server.shutdown()
+    await _close_service(service)
+    log.info("stopped")
+    return 0
+
+
+async def _build_or_stop(args, observer, stop: asyncio.Event):
+    """The service, or None when a signal came first. The build runs on a daemon thread:
+    compiling cannot be interrupted, and a stop during start-up should not wait for it."""
+    built = asyncio.get_running_loop().create_future()
+
+    def build():
+        try:
+            service = _build_service(args, observer)
+            built.get_loop().call_soon_threadsafe(lambda: built.done() or built.set_result(service))
+        except BaseException as error:  # noqa: BLE001 (re-raised on the loop)
+            built.get_loop().call_soon_threadsafe(lambda: built.done() or built.set_exception(error))
+
+    threading.Thread(target=build, name="build-service", daemon=True).start()
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([built, stopped], return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    return built.result() if built.done() else None
+
+
+def _model_name(service) -> str:
+    return str(service.info().get("model", "shiftjax"))
+
+
+def _log_startup(service, seconds: float) -> None:
+    info, stats = service.info(), service.stats()
+    log.info("model %s on mesh %s, modes %s, policy %s; ready in %.1f s", info.get("model"), info.get("mesh"),
+             ",".join(info.get("modes", ())), info.get("policy"), seconds)
+    log.info("executables: %s (%s from the compilation cache), compile %.1f s summed", info.get("executables"),
+             info.get("cache_hits", 0), float(info.get("compile_seconds", 0.0)))
+    log.info("page pool: %d pages of %s tokens, %d free", stats.num_pages, info.get("page_size"), stats.free_pages)
+
+
+def _begin_service_drain(service) -> None:
+    """Tells the service to refuse new work (HTTP relies on it; gRPC refuses by itself)."""
+    for name in ("drain", "begin_drain", "start_draining"):
+        method = getattr(service, name, None)
+        if callable(method):
+            method()
+            return
+
+
+async def _close_service(service) -> None:
+    for name in ("aclose", "shutdown", "close", "stop"):
+        method = getattr(service, name, None)
+        if callable(method):
+            result = method()
+            if asyncio.iscoroutine(result):
+                await result
+            return
