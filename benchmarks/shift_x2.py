@@ -1,0 +1,321 @@
+"""Issue 8 on two GPUs, in one device call: ceilings, correctness, and every row of the
+"before" table (TP decode vs the weight floor, SP vs DP, SP vs TP, host gaps).
+
+    bash benchmarks/run_gpu_x2.sh            # on nvidia-h200-x2; JSON + log under $OUT
+    python benchmarks/shift_x2.py --smoke    # the same code paths, tiny, on 4 CPU devices
+
+Parts (``--parts``, comma separated): ``ceilings`` (per GPU: read-only stream = a large
+reduction, device copy, bf16 matmul; best of several), ``correct`` (SmolLM2-shaped float32
+random model: greedy tokens of one GPU vs the 2-GPU mesh in TP, SP and alternate;
+Llama-3.1-8B shape in bf16: TP vs SP logits), ``steps`` (the compiled steps alone: wall
+and device span per step), ``engine`` (the engine's steady-state decode loop, where host
+time shows). Ratios are against ceilings measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model_gpu import LLAMA8B, SMOLLM2, device_random_params  # noqa: E402
+from roofline import copy_bandwidth, device_time, matmul_rate, time_fn  # noqa: E402
+
+from shiftjax.batch import empty_batch  # noqa: E402
+from shiftjax.cache import CacheConfig, allocate_cache  # noqa: E402
+from shiftjax.layouts.mesh import make_mesh  # noqa: E402
+from shiftjax.serving.engine import Engine, EngineConfig  # noqa: E402
+from shiftjax.serving.executables import to_device  # noqa: E402
+from shiftjax.serving.sampling_params import SamplingParams  # noqa: E402
+from shiftjax.steps import make_step, params_for  # noqa: E402
+from shiftjax.weights import shard_params  # noqa: E402
+
+PAGE = 16
+RESULTS: dict = {}
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+def read_bandwidth(n_bytes: int, device, repeats: int = 5) -> float:
+    """Bytes per second of a reduction over ``n_bytes`` of bf16 (reads only: the decode
+    step's weights are read, never written), best of ``repeats`` medians."""
+    x = jax.device_put(jnp.ones(n_bytes // 2, jnp.bfloat16), device)
+    reduce = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    return max(n_bytes / time_fn(reduce, x, warmup=2, iters=10) for _ in range(repeats))
+
+
+def ceilings(smoke: bool) -> dict:
+    n = (64 << 20) if smoke else (4 << 30)
+    out = {}
+    for d in jax.local_devices():
+        with jax.default_device(d):
+            copies = [copy_bandwidth(n) for _ in range(1 if smoke else 5)]
+            out[str(d)] = {"read_Bps": read_bandwidth(n, d, 1 if smoke else 5), "copy_Bps_best": max(copies),
+                           "copy_Bps_all": copies, "matmul_flops": matmul_rate(512 if smoke else 8192)}
+        log(f"ceilings {d}: read {out[str(d)]['read_Bps'] / 1e12:.2f} TB/s, copy best "
+            f"{max(copies) / 1e12:.2f} TB/s, matmul {out[str(d)]['matmul_flops'] / 1e12:.0f} TFLOP/s")
+    return out
+
+
+def decode_batch(n: int, ctx: int, max_pages: int):
+    b = empty_batch(n, n, max_pages)
+    per = ctx // PAGE + 1
+    for i in range(n):
+        pages = 1 + i * per + np.arange(per)
+        b.page_table[i, :per] = pages
+        b.seq_lens[i] = ctx + 1
+        b.positions[i] = ctx
+        b.slot_mapping[i] = pages[ctx // PAGE] * PAGE + ctx % PAGE
+        b.query_start[i + 1] = i + 1
+        b.sample_index[i] = i
+        b.token_ids[i] = i + 7
+    return b
+
+
+def prefill_batch(n: int, t: int, max_pages: int):
+    b = empty_batch(n * t, n, max_pages)
+    per = -(-t // PAGE)
+    for i in range(n):
+        pages = 1 + i * per + np.arange(per)
+        pos = np.arange(t)
+        rows = slice(i * t, (i + 1) * t)
+        b.page_table[i, :per] = pages
+        b.seq_lens[i] = t
+        b.positions[rows] = pos
+        b.slot_mapping[rows] = pages[pos // PAGE] * PAGE + pos % PAGE
+        b.query_start[i + 1] = (i + 1) * t
+        b.sample_index[i] = (i + 1) * t - 1
+        b.token_ids[rows] = (pos * 7919 + i) % 1000
+    return b
+
+
+def weight_bytes_per_device(weights, mesh) -> list[int]:
+    """Bytes a TP-mode decode step must read on each device: every weight shard but the
+    embedding table, of which a decode gathers a few rows (unless it is also the LM head)."""
+    tp = weights.tp
+    read = tp if tp.lm_head is None else dataclasses.replace(tp, embed=None)
+    return [sum(s.data.nbytes for leaf in jax.tree.leaves(read) for s in leaf.addressable_shards
+                if s.device == d) for d in mesh.devices.flat]
+
+
+def time_steps(weights, mesh, shapes: dict, *, attention: str, profile: bool, num_pages: int) -> dict:
+    """Wall (median, synchronised) and device span of each (mode, shape) step."""
+    config = weights.config
+    caches = allocate_cache(mesh, config.num_layers, weights.layout.kv_slots, config.head_dim,
+                            CacheConfig(num_pages, PAGE, str(weights.tp.embed.dtype)))
+    state = {"caches": caches}
+    lowered = {}
+    for mode, name in shapes:
+        step = make_step(weights, mode, attention=attention, layer_loop="unrolled")
+        batch = to_device(shapes[(mode, name)], weights)
+        lowered[(mode, name)] = (step.lower(params_for(weights, mode), caches, batch), batch)
+    start = time.perf_counter()
+    # Concurrently, as the engine compiles (on one GPU they overlap; on a mesh the autotuner
+    # serialised them in the before-run).
+    with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
+        compiled = dict(zip(lowered, pool.map(lambda key: lowered[key][0].compile(), lowered)))
+    compile_s = time.perf_counter() - start
+    log(f"  {dict(mesh.shape)}: {len(compiled)} executables compiled concurrently in {compile_s:.1f} s")
+    out = {"compile_s_all": compile_s}
+    for (mode, name), executable in compiled.items():
+        batch = lowered[(mode, name)][1]
+        params = params_for(weights, mode)
+
+        def run(b):
+            result, state["caches"] = executable(params, state["caches"], b)
+            return result.packed
+
+        row = {"wall_ms": time_fn(run, batch, warmup=3, iters=15) * 1e3}
+        span = device_time(run, (batch,), iters=8, top=5) if profile else None
+        if span:
+            row.update(span_ms=span["span"] * 1e3, kernels_per_step=span["kernels"],
+                       top=[(round(a * 1e3, 3), c, k) for a, c, k in span["top"]])
+        else:
+            row["span_ms"] = None  # no device trace here (CPU): wall time only
+        out[f"{mode}:{name}"] = row
+        span_text = "n/a" if row["span_ms"] is None else f"{row['span_ms']:.2f} ms"
+        log(f"  {dict(mesh.shape)} {mode:2s} {name:10s} wall {row['wall_ms']:8.2f} ms  device span {span_text}")
+    return out
+
+
+def correctness(smoke: bool, attention: str) -> dict:
+    """Greedy tokens of one device vs the 2-device mesh in every mode (float32, random
+    SmolLM2-shaped weights: the real model cannot travel to the device machine), and TP vs
+    SP logits of the 8B shape in bf16."""
+    config = dataclasses.replace(SMOLLM2, num_layers=2) if smoke else SMOLLM2
+    params = device_random_params(config, jnp.float32, seed=1)
+    prompts = [[(i * 37 + j * 11) % 1000 + 5 for j in range(n)] for i, n in enumerate((5, 17, 40, 3))]
+    greedy = SamplingParams(max_tokens=8 if smoke else 16, ignore_eos=True)
+    tokens = {}
+    for label, (sp, tp, devices, mode) in {
+        "1gpu": (1, 1, jax.devices()[:1], "tp"), "tp2": (1, 2, jax.devices()[:2], "tp"),
+        "sp2": (2, 1, jax.devices()[:2], "sp"), "alternate": (2, 1, jax.devices()[:2], "alternate"),
+    }.items():
+        weights = shard_params(params, config, make_mesh(sp, tp, devices))
+        engine = Engine(weights, EngineConfig(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+                                              token_buckets=(8, 64), seq_buckets=(4,), mode=mode,
+                                              attention=attention, layer_loop="scan"))
+        requests = [engine.add_request(p, greedy) for p in prompts]
+        engine.run_until_done(requests)
+        tokens[label] = [r.output_ids for r in requests]
+    same = {k: v == tokens["1gpu"] for k, v in tokens.items()}
+    log(f"greedy tokens equal to one device: {same}")
+
+    big = dataclasses.replace(LLAMA8B, num_layers=2) if smoke else LLAMA8B
+    if smoke:
+        big = dataclasses.replace(big, hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=2,
+                                  head_dim=32, vocab_size=1024)
+    weights = shard_params(device_random_params(big, jnp.bfloat16), big, make_mesh(2, 1, jax.devices()[:2]))
+    caches = allocate_cache(weights.mesh, big.num_layers, weights.layout.kv_slots, big.head_dim,
+                            CacheConfig(2 * 64 + 2, PAGE, "bfloat16"))
+    batch = to_device(prefill_batch(2, 64 if smoke else 1000, 64), weights)
+    logits = {}
+    for mode in ("tp", "sp"):
+        step = make_step(weights, mode, attention=attention, layer_loop="unrolled", return_logits=True)
+        result, caches = step(params_for(weights, mode), caches, batch)
+        logits[mode] = np.asarray(result.logits.addressable_shards[0].data, np.float32)
+    rel = float(np.linalg.norm(logits["tp"] - logits["sp"]) / np.linalg.norm(logits["tp"]))
+    argmax_equal = bool((logits["tp"].argmax(-1) == logits["sp"].argmax(-1)).all())
+    log(f"8B shape TP vs SP logits: relative error {rel:.2e}, argmax equal {argmax_equal}")
+    return {"greedy_tokens": tokens, "greedy_equal": same, "llama8b_tp_vs_sp_rel": rel,
+            "llama8b_argmax_equal": argmax_equal, "bf16_tolerance": 1e-2, "pass": all(same.values()) and rel < 1e-2}
+
+
+def step_table(smoke: bool, attention: str, profile: bool) -> dict:
+    config = dataclasses.replace(LLAMA8B, num_layers=int(os.environ.get("LAYERS", "32")))
+    ctx, long_prompt, max_pages = 1024, 2048, 260
+    if smoke:
+        config = dataclasses.replace(config, num_layers=2, hidden_size=256, intermediate_size=512,
+                                     num_heads=8, num_kv_heads=2, head_dim=32, vocab_size=1024)
+        ctx, long_prompt, max_pages = 64, 64, 8
+    params = device_random_params(config, jnp.bfloat16)
+    out = {"layers": config.num_layers}
+    two = jax.devices()[:2]
+    mesh = make_mesh(2, 1, two)
+    weights = shard_params(params, config, mesh)
+    out["weight_bytes_per_device_mesh"] = weight_bytes_per_device(weights, mesh)
+    shapes = {("tp", "dec8"): decode_batch(8, ctx, max_pages), ("tp", "dec64"): decode_batch(64, ctx, max_pages),
+              ("tp", "pre2x2048"): prefill_batch(2, long_prompt, max_pages),
+              ("sp", "pre2x2048"): prefill_batch(2, long_prompt, max_pages),
+              ("tp", "pre4096"): prefill_batch(1, 2 * long_prompt, 2 * max_pages),
+              ("sp", "pre4096"): prefill_batch(1, 2 * long_prompt, 2 * max_pages)}
+    out["mesh_2x1"] = time_steps(weights, mesh, shapes, attention=attention, profile=profile,
+                                 num_pages=64 * (ctx // PAGE + 1) + 2)
+    del weights
+    one = make_mesh(1, 1, jax.devices()[:1])
+    weights = shard_params(params, config, one)
+    out["weight_bytes_per_device_1gpu"] = weight_bytes_per_device(weights, one)
+    shapes = {("tp", "dec4"): decode_batch(4, ctx, max_pages), ("tp", "dec8"): decode_batch(8, ctx, max_pages),
+              ("tp", "dec32"): decode_batch(32, ctx, max_pages), ("tp", "dec64"): decode_batch(64, ctx, max_pages),
+              ("tp", "pre1x2048"): prefill_batch(1, long_prompt, max_pages)}
+    out["one_gpu"] = time_steps(weights, one, shapes, attention=attention, profile=profile,
+                                num_pages=64 * (ctx // PAGE + 1) + 2)
+    return out
+
+
+def engine_loop(smoke: bool, attention: str) -> dict:
+    """Wall time per decode step in the engine's own loop (schedule, pad, place, run,
+    fetch), pure TP over both GPUs (a (1, 2) mesh: one mode, so only TP executables)."""
+    config = dataclasses.replace(LLAMA8B, num_layers=int(os.environ.get("LAYERS", "32")))
+    prompt_len, decode_steps = 1000, 24
+    if smoke:
+        config = dataclasses.replace(config, num_layers=2, hidden_size=256, intermediate_size=512,
+                                     num_heads=8, num_kv_heads=2, head_dim=32, vocab_size=1024)
+        prompt_len, decode_steps = 40, 4
+    weights = shard_params(device_random_params(config, jnp.bfloat16), config, make_mesh(1, 2, jax.devices()[:2]))
+    out = {}
+    for seqs in (8, 64):
+        engine = Engine(weights, EngineConfig(max_model_len=prompt_len + decode_steps + 8, max_num_seqs=seqs,
+                                              max_num_batched_tokens=64, token_buckets=(64,),
+                                              seq_buckets=(seqs,), mode="tp", attention=attention,
+                                              layer_loop="unrolled"))
+        requests = [engine.add_request([(i * 13 + j) % 1000 + 3 for j in range(prompt_len)],
+                                       SamplingParams(max_tokens=decode_steps, ignore_eos=True)) for i in range(seqs)]
+        while any(r.num_computed < prompt_len for r in requests):
+            engine.step()
+        times = []
+        while not all(r.finished for r in requests):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        steady = sorted(times[2:] or times)
+        out[f"dec{seqs}"] = {"wall_ms_median": steady[len(steady) // 2] * 1e3, "steps": len(times)}
+        log(f"  engine loop, {seqs} seqs: {out[f'dec{seqs}']['wall_ms_median']:.2f} ms per decode step")
+        del engine
+    return out
+
+
+def summarise(results: dict) -> dict:
+    """The issue's ratios from this run's own ceilings."""
+    if "ceilings" not in results or "steps" not in results:
+        return {}
+    read = min(c["read_Bps"] for c in results["ceilings"].values())  # the slower GPU bounds a mesh
+    steps = results["steps"]
+    floor_mesh = max(steps["weight_bytes_per_device_mesh"]) / read
+    floor_one = max(steps["weight_bytes_per_device_1gpu"]) / read
+    mesh, one = steps["mesh_2x1"], steps["one_gpu"]
+    s = {"read_TBps": read / 1e12, "tp_weight_floor_ms_2gpu": floor_mesh * 1e3, "weight_floor_ms_1gpu": floor_one * 1e3}
+    for n in (8, 64):
+        s[f"tp_dec{n}_floor_ratio"] = floor_mesh * 1e3 / mesh[f"tp:dec{n}"]["wall_ms"]
+        s[f"1gpu_dec{n}_floor_ratio"] = floor_one * 1e3 / one[f"tp:dec{n}"]["wall_ms"]
+        if "engine" in results:
+            s[f"engine_tp_dec{n}_floor_ratio"] = floor_mesh * 1e3 / results["engine"][f"dec{n}"]["wall_ms_median"]
+    s["tp_dec8_vs_1gpu_dec4_speedup"] = one["tp:dec4"]["wall_ms"] / mesh["tp:dec8"]["wall_ms"]
+    # Equal work: the mesh prefills two prompts in one step; DP gives each GPU one.
+    s["sp_vs_dp_throughput"] = one["tp:pre1x2048"]["wall_ms"] / mesh["sp:pre2x2048"]["wall_ms"]
+    s["tp_vs_dp_throughput"] = one["tp:pre1x2048"]["wall_ms"] / mesh["tp:pre2x2048"]["wall_ms"]
+    s["sp_vs_tp_4096"] = mesh["tp:pre4096"]["wall_ms"] / mesh["sp:pre4096"]["wall_ms"]
+    for key, row in mesh.items():
+        if isinstance(row, dict) and row.get("span_ms"):
+            s[f"host_gap_fraction {key}"] = 1 - row["span_ms"] / row["wall_ms"]
+    return s
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on 4 virtual CPU devices")
+    parser.add_argument("--parts", default="ceilings,correct,steps,engine")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    if args.smoke:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", 4)
+    attention = "reference" if args.smoke else "pallas"
+    profile = not args.smoke
+    RESULTS.update(device=f"{jax.device_count()}x {jax.devices()[0].device_kind}", jax=jax.__version__,
+                   commit=os.environ.get("COMMIT", "unknown"))
+    parts = args.parts.split(",")
+    runners = {"ceilings": lambda: ceilings(args.smoke), "correct": lambda: correctness(args.smoke, attention),
+               "steps": lambda: step_table(args.smoke, attention, profile),
+               "engine": lambda: engine_loop(args.smoke, attention)}
+    for part in parts:
+        start = time.perf_counter()
+        log(f"== {part}")
+        try:
+            RESULTS[part] = runners[part]()
+        except Exception as error:  # one failing part must not lose the others' numbers
+            RESULTS[part] = {"error": f"{type(error).__name__}: {error}"}
+            log(f"  {part} FAILED: {RESULTS[part]['error']}")
+        RESULTS.setdefault("part_seconds", {})[part] = time.perf_counter() - start
+        with open(os.path.join(args.out, "shift_x2.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1, default=str)
+    RESULTS["summary"] = summarise(RESULTS)
+    with open(os.path.join(args.out, "shift_x2.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+    log(json.dumps(RESULTS["summary"], indent=1))
+    return 0 if all("error" not in RESULTS[p] for p in parts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
