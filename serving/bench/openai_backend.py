@@ -87,6 +87,9 @@ class OpenAIBackend:
                     if data == "[DONE]":
                         break
                     chunk = json.loads(data)
+                    if "error" in chunk:  # a failure after the status line went out
+                        record.error = f"error event: {json.dumps(chunk['error'])[:500]}"
+                        return
                     choices = chunk.get("choices") or ()
                     if choices and choices[0].get("text"):
                         timer.output_chunk()
