@@ -1,12 +1,27 @@
-"""Restoring a shiftjax checkpoint onto devices, straight into the wanted shardings."""
+"""Restoring a shiftjax checkpoint onto devices, straight into the wanted shardings.
+
+Two ways in:
+
+- :func:`load_checkpoint` restores the canonical ``Params`` with Orbax, each tensor in a
+  sharding the caller gives (``shard_params`` then expands them into blocks).
+- :func:`restore_weights` (and :func:`load_weights`, which also makes random weights)
+  builds the block layout directly: every device reads from the checkpoint only the
+  canonical rows its blocks hold and receives exactly its final shards. Device memory
+  never holds a canonical tensor, so the peak is the final weights; host memory holds one
+  device's block of one tensor at a time.
+"""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from pathlib import Path
+
+import numpy as np
 
 from shiftjax.checkpoints.format import CONFIG_FILE, PARAMS_DIR, CheckpointError, nest, read_marker, unnest
 from shiftjax.config import ConfigError, ModelConfig
 from shiftjax.params import Params, param_shapes, params_from_flat
+from shiftjax.weights import BlockWeight, ModelWeights, assemble_weights
 
 
 def load_config(path: str | Path) -> ModelConfig:
@@ -17,6 +32,18 @@ def load_config(path: str | Path) -> ModelConfig:
         return ModelConfig.from_json_file(path / CONFIG_FILE)
     except ConfigError as error:
         raise CheckpointError(f"{path / CONFIG_FILE}: {error}") from None
+
+
+def _checked_shapes(path: Path, info: dict, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    shapes = param_shapes(config)
+    stored = info.get("tensors", {})
+    for name, shape in shapes.items():
+        if name in stored and tuple(stored[name]) != shape:
+            raise CheckpointError(
+                f"{path / 'shiftjax.json'} records {name} as {stored[name]}, but config.json "
+                f"implies {list(shape)}; the checkpoint is inconsistent, convert it again"
+            )
+    return shapes
 
 
 def load_checkpoint(path: str | Path, *, dtype=None, shardings=None) -> tuple[ModelConfig, Params]:
@@ -36,14 +63,7 @@ def load_checkpoint(path: str | Path, *, dtype=None, shardings=None) -> tuple[Mo
     path = Path(path).absolute()
     info = read_marker(path)
     config = load_config(path)
-    shapes = param_shapes(config)
-    stored = info.get("tensors", {})
-    for name, shape in shapes.items():
-        if name in stored and tuple(stored[name]) != shape:
-            raise CheckpointError(
-                f"{path / 'shiftjax.json'} records {name} as {stored[name]}, but config.json "
-                f"implies {list(shape)}; the checkpoint is inconsistent, convert it again"
-            )
+    shapes = _checked_shapes(path, info, config)
     target_dtype = jnp.dtype(dtype if dtype is not None else info.get("dtype", "float32"))
     if shardings is None:
         shardings = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -74,8 +94,181 @@ def load_checkpoint(path: str | Path, *, dtype=None, shardings=None) -> tuple[Mo
     return config, params_from_flat(unnest(restored))
 
 
+class CanonicalReader:
+    """Reads slices of the canonical tensors of a checkpoint's Orbax ``params/`` directory.
+
+    Orbax restores whole shards of one tensor per device; a block of the layout is made of
+    slices of several tensors (``q | k | v``), padding and, under GQA, KV heads that several
+    devices share. So the tensors are opened through TensorStore with the specs Orbax itself
+    reads them with, and sliced along the axis the blocks cut. Values are cast on the host
+    with ``astype`` as Orbax does, so the result is bit-identical to an Orbax restore.
+    """
+
+    def __init__(self, params_dir: Path, shapes: dict[str, tuple[int, ...]], dtype):
+        import orbax.checkpoint as ocp
+
+        self.params_dir = Path(params_dir)
+        self.shapes = shapes
+        self.dtype = np.dtype(dtype)
+        self.context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
+        self.bytes_read: dict[str, int] = defaultdict(int)  # host bytes per tensor, for tests
+        self._opened = {}
+
+    def _open(self, name: str):
+        import orbax.checkpoint as ocp
+        import tensorstore as ts
+
+        if name in self._opened:
+            return self._opened[name]
+        errors = []
+        for use_zarr3 in (False, True):  # Orbax has written both, depending on its version
+            info = ocp.type_handlers.ParamInfo(name=name, parent_dir=self.params_dir, is_ocdbt_checkpoint=True,
+                                               use_zarr3=use_zarr3, ts_context=self.context)
+            spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=True)
+            try:
+                store = ts.open(spec, open=True, context=self.context).result()
+                break
+            except ValueError as error:
+                errors.append(str(error))
+        else:
+            raise CheckpointError(f"cannot open {name} in {self.params_dir}: {'; '.join(errors)}")
+        if tuple(store.shape) != self.shapes[name]:
+            raise CheckpointError(
+                f"{self.params_dir} stores {name} as {list(store.shape)}, but config.json implies "
+                f"{list(self.shapes[name])}; convert the checkpoint again"
+            )
+        self._opened[name] = store
+        return store
+
+    def read(self, name: str, axis: int | None = None, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """``tensor[..., start:stop, ...]`` along ``axis`` (the whole tensor when None), cast."""
+        store = self._open(name)
+        index = [slice(None)] * len(self.shapes[name])
+        if axis is not None:
+            index[axis] = slice(start, stop)
+        data = store[tuple(index)].read().result()
+        self.bytes_read[name] += data.nbytes
+        return data.astype(self.dtype, copy=False)
+
+    def block(self, weight: BlockWeight, block: int) -> np.ndarray:
+        """Block ``block`` of ``weight``, read slice by slice; padding positions are zero."""
+        pieces = []
+        for segment in weight.segments:
+            rows = segment.index[block]
+            valid = rows >= 0
+            shape = list(self.shapes[segment.tensor])
+            shape[weight.cut_axis] = len(rows)
+            if not valid.any():  # a block of padding only (more blocks than heads)
+                pieces.append(np.zeros(shape, self.dtype))
+                continue
+            # One contiguous read per segment: a block's heads or features are a contiguous
+            # run of the canonical tensor (layouts/heads.py), so little is read twice.
+            first, last = int(rows[valid].min()), int(rows[valid].max()) + 1
+            data = self.read(segment.tensor, weight.cut_axis, first, last)
+            piece = np.take(data, np.where(valid, rows - first, 0), axis=weight.cut_axis)
+            padding = [slice(None)] * piece.ndim
+            padding[weight.cut_axis] = ~valid
+            piece[tuple(padding)] = 0
+            pieces.append(piece)
+        return np.concatenate(pieces, axis=weight.cut_axis)
+
+
+def _block_maker(reader: CanonicalReader):
+    import jax
+
+    def make_blocks(weight: BlockWeight, shape, sharding, blocks_at):
+        axis = weight.block_axis
+        per_position = sharding.shard_shape(shape)[axis]
+        index_map = sharding.addressable_devices_indices_map(shape)
+        devices_of_block = defaultdict(list)
+        for device, index in index_map.items():
+            devices_of_block[blocks_at[(index[axis].start or 0) // per_position]].append(device)
+        shards = {}
+        for block, devices in devices_of_block.items():  # one host block alive at a time
+            data = reader.block(weight, block)
+            if weight.stacked:
+                data = data[:, None]
+            for device in devices:
+                shards[device] = jax.device_put(data, device)
+            del data
+        return jax.make_array_from_single_device_arrays(shape, sharding, [shards[d] for d in index_map])
+
+    def make_replicated(name: str, sharding):
+        return jax.device_put(reader.read(name), sharding)
+
+    return make_blocks, make_replicated
+
+
+def restore_weights(path: str | Path, *, mesh, dtype=None, weight_storage: str = "aliased",
+                    reader: CanonicalReader | None = None) -> tuple[ModelConfig, ModelWeights]:
+    """Restores a checkpoint straight into the block layout of ``mesh`` (sharded restore).
+
+    Equal, bit for bit, to ``shard_params(load_checkpoint(path, dtype=dtype, shardings=
+    replicated)[1], config, mesh, weight_storage)``, without ever holding a canonical tensor
+    on a device. ``dtype`` None keeps the stored dtype. ``reader`` is for tests that count
+    what is read.
+    """
+    import jax.numpy as jnp
+
+    path = Path(path).absolute()
+    info = read_marker(path)
+    config = load_config(path)
+    shapes = _checked_shapes(path, info, config)
+    target_dtype = jnp.dtype(dtype if dtype is not None else info.get("dtype", "float32"))
+    if reader is None:
+        reader = CanonicalReader(path / PARAMS_DIR, shapes, target_dtype)
+    make_blocks, make_replicated = _block_maker(reader)
+    return config, assemble_weights(config, mesh, weight_storage, make_blocks, make_replicated)
+
+
+LOAD_FORMATS = ("orbax", "dummy")
+
+
+def load_weights(model: str | Path, *, mesh, dtype="bfloat16", weight_storage: str = "aliased",
+                 load_format: str = "orbax", seed: int = 0) -> tuple[ModelConfig, ModelWeights]:
+    """The model's weights on ``mesh`` in their final block layout, never a canonical copy.
+
+    ``load_format="orbax"``: ``model`` is a shiftjax checkpoint directory (or ``"default"``
+    for the embedded SmolLM2); each device reads only what its blocks hold.
+    ``load_format="dummy"``: ``model`` is a Hugging Face ``config.json`` (or a directory
+    holding one; a shiftjax checkpoint directory works too); random weights (seed ``seed``)
+    are generated on the devices in their final shardings. ``dtype``: e.g. "bfloat16",
+    "float32"; for orbax, None keeps the stored dtype.
+    """
+    if load_format == "dummy":
+        from shiftjax.checkpoints.dummy import dummy_weights, read_model_config
+
+        config = read_model_config(model)
+        return config, dummy_weights(config, mesh=mesh, dtype=dtype or "bfloat16",
+                                     weight_storage=weight_storage, seed=seed)
+    if load_format != "orbax":
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    return restore_weights(_checkpoint_path(model), mesh=mesh, dtype=dtype, weight_storage=weight_storage)
+
+
+def _checkpoint_path(model: str | Path) -> Path:
+    if str(model) == "default":
+        from shiftjax.checkpoints.default_model import default_model_path
+
+        return default_model_path()
+    return Path(model)
+
+
 def load_tokenizer(path: str | Path):
     """The checkpoint's tokenizer (see ``shiftjax.checkpoints.tokenizer.Tokenizer``)."""
     from shiftjax.checkpoints.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(path)
+
+
+def tokenizer_path_for(model: str | Path, load_format: str = "orbax", tokenizer: str | Path | None = None) -> Path:
+    """Where the tokenizer of ``model`` lives: ``tokenizer`` when given (a directory with
+    ``tokenizer.json``), else the checkpoint itself, else (dummy weights have none) the
+    default model's checkpoint, prepared on first use."""
+    if tokenizer is not None:
+        return Path(tokenizer)
+    if load_format == "orbax":
+        return _checkpoint_path(model)
+    from shiftjax.checkpoints.default_model import default_model_path
+
+    return default_model_path()

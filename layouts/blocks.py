@@ -77,6 +77,30 @@ def split_features(
     return w.reshape(*w.shape[:-1], blocks, padded // blocks)
 
 
+def head_feature_index(table: tuple[tuple[int, ...], ...], head_dim: int) -> np.ndarray:
+    """``[blocks, positions * head_dim]`` canonical feature indices that :func:`gather_heads`
+    takes into each block (-1: a zero column of a padding head).
+
+    This is ``gather_heads`` as an index table, so that a loader can read, for each block,
+    only the canonical rows or columns the block needs.
+    """
+    heads = np.asarray(table, dtype=np.int64)
+    index = heads[:, :, None] * head_dim + np.arange(head_dim)
+    index = np.where(heads[:, :, None] >= 0, index, -1)
+    return index.reshape(heads.shape[0], -1)
+
+
+def feature_index(size: int, blocks: int) -> np.ndarray:
+    """``[blocks, padded / blocks]`` canonical indices of :func:`split_features` (-1: padding)."""
+    index = np.arange(padded_size(size, blocks), dtype=np.int64)
+    return np.where(index < size, index, -1).reshape(blocks, -1)
+
+
+def shard_block_ids(sp: int, tp: int, j: int) -> tuple[int, ...]:
+    """The blocks in aliased shard ``A_j`` (``[layers, tp, ...]``), by TP index: ``t * sp + j``."""
+    return tuple(t * sp + j for t in range(tp))
+
+
 def block_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     """``[layers, P, ...]`` with the block axis over the head axes (the TP-mode layout)."""
     return NamedSharding(mesh, blocks_spec(ndim))

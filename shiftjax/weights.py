@@ -9,10 +9,12 @@ norms are the same arrays in both views.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from shiftjax.config import ModelConfig
@@ -20,7 +22,7 @@ from shiftjax.layouts import blocks as blk
 from shiftjax.layouts.heads import HeadLayout, head_layout
 from shiftjax.layouts.mesh import SP, TP
 from shiftjax.layouts.specs import EMBED_SPEC, LM_HEAD_SPEC, REPLICATED
-from shiftjax.params import Params
+from shiftjax.params import Params, param_shapes
 from shiftjax.pytrees import unchecked_init
 
 
@@ -167,3 +169,148 @@ def shard_params(
 
     return ModelWeights(config=config, layout=layout, dims=dims, mesh=mesh, storage=storage,
                         tp=view(tp_view), sp=view(sp_view))
+
+
+# --- The block layout as a plan: which canonical rows each block takes -------------------
+#
+# ``shard_params`` expands canonical arrays with XLA gathers; a loader that must never hold a
+# canonical tensor whole (sharded restore, random weights made on the devices) instead
+# builds each device's blocks from this plan, reading or generating only what they need.
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Segment:
+    """Part of every block, taken from one canonical tensor along the block's cut axis."""
+
+    tensor: str  # canonical path, e.g. "layers.wq"
+    index: np.ndarray  # [blocks, n] canonical indices along the cut axis; -1 gives zeros
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BlockWeight:
+    """One array of the block layout. Block ``b`` is the concatenation of its segments'
+    rows ``segment.index[b]``, each taken along ``cut_axis`` of the canonical tensor.
+
+    ``kind``: ``"column"`` / ``"row"`` (layer GEMM weights, global ``[layers, P, ...]``),
+    ``"bias"`` (``[layers, P, n]``) or ``"vocab"`` (no block axis: the blocks are
+    concatenated along ``cut_axis``, e.g. the embedding's rows).
+    """
+
+    name: str
+    kind: str
+    cut_axis: int
+    segments: tuple[Segment, ...]
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the global array has the block axis at 1 (``[layers, P, ...]``)."""
+        return self.kind != "vocab"
+
+    @property
+    def width(self) -> int:
+        return sum(segment.index.shape[1] for segment in self.segments)
+
+    def block_shape(self, canonical_shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+        """One block's shape (without a block axis)."""
+        shape = list(canonical_shapes[self.segments[0].tensor])
+        shape[self.cut_axis] = self.width
+        return tuple(shape)
+
+    def global_shape(self, canonical_shapes, positions: int) -> tuple[int, ...]:
+        """The global array holding ``positions`` blocks."""
+        shape = list(self.block_shape(canonical_shapes))
+        if self.stacked:
+            return (shape[0], positions, *shape[1:])
+        shape[self.cut_axis] *= positions
+        return tuple(shape)
+
+    @property
+    def block_axis(self) -> int:
+        """The global axis along which blocks sit (and which the sharding cuts)."""
+        return 1 if self.stacked else self.cut_axis
+
+
+REPLICATED_TENSORS = ("final_norm", "layers.attn_norm", "layers.mlp_norm")
+
+
+def block_plan(config: ModelConfig, layout: HeadLayout) -> dict[str, BlockWeight]:
+    """Every block array of the layout, keyed by its ``ShardedParams`` path, with the
+    canonical indices each block takes; the index form of ``shard_params``'s expansion."""
+    blocks, hd = layout.num_blocks, config.head_dim
+    q_index = blk.head_feature_index(layout.query_head_of, hd)
+    kv_index = blk.head_feature_index(layout.kv_head_of_slot, hd)
+    ffn_index = blk.feature_index(config.intermediate_size, blocks)
+    vocab_index = blk.feature_index(config.vocab_size, blocks)
+    qkv = (Segment("layers.wq", q_index), Segment("layers.wk", kv_index), Segment("layers.wv", kv_index))
+    plan = [
+        BlockWeight("layers.wqkv", "column", 2, qkv),
+        BlockWeight("layers.wo", "row", 1, (Segment("layers.wo", q_index),)),
+        BlockWeight("layers.w_gate_up", "column", 2,
+                    (Segment("layers.w_gate", ffn_index), Segment("layers.w_up", ffn_index))),
+        BlockWeight("layers.w_down", "row", 1, (Segment("layers.w_down", ffn_index),)),
+        BlockWeight("embed", "vocab", 0, (Segment("embed", vocab_index),)),
+    ]
+    if config.qkv_bias:
+        plan.append(BlockWeight("layers.bqkv", "bias", 1, (
+            Segment("layers.bq", q_index), Segment("layers.bk", kv_index), Segment("layers.bv", kv_index))))
+    if not config.tie_word_embeddings:
+        plan.append(BlockWeight("lm_head", "vocab", 1, (Segment("lm_head", vocab_index),)))
+    return {weight.name: weight for weight in plan}
+
+
+# make_blocks(weight, global_shape, sharding, blocks_at) -> the global array whose shard at
+# position i along ``weight.block_axis`` is block ``blocks_at[i]``.
+MakeBlocks = Callable[[BlockWeight, tuple[int, ...], NamedSharding, tuple[int, ...]], jax.Array]
+# make_replicated(canonical path, sharding) -> that (small) canonical tensor, replicated.
+MakeReplicated = Callable[[str, NamedSharding], jax.Array]
+
+
+def assemble_weights(config: ModelConfig, mesh: Mesh, storage: blk.WeightStorage,
+                     make_blocks: MakeBlocks, make_replicated: MakeReplicated) -> ModelWeights:
+    """Builds ``ModelWeights`` array by array from a block source, each array straight in
+    its final sharding (the same layout ``shard_params`` gives).
+
+    With aliased storage the source makes the ``sp`` shards ``A_j`` and the TP view is built
+    from their buffers, so device memory never holds more than the final weights. With two
+    copies it makes the TP blocks and ``store_blocks`` derives the contiguous SP copy.
+    """
+    if storage not in blk.STORAGES:
+        raise ValueError(f"weight storage must be one of {blk.STORAGES}, got {storage!r}")
+    sp, tp = mesh.shape[SP], mesh.shape[TP]
+    layout = head_layout(config.num_heads, config.num_kv_heads, sp, tp)
+    shapes = param_shapes(config)
+    plan = block_plan(config, layout)
+    all_blocks = tuple(range(layout.num_blocks))
+
+    def blocks_of(weight: BlockWeight, sharding: NamedSharding, blocks_at: tuple[int, ...]):
+        return make_blocks(weight, weight.global_shape(shapes, len(blocks_at)), sharding, blocks_at)
+
+    tp_view, sp_view = {}, {}
+    for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+        weight = plan[f"layers.{name}"]
+        ndim = len(weight.block_shape(shapes)) + 1
+        if storage == "aliased":
+            shards = tuple(blocks_of(weight, blk.shard_sharding(mesh, ndim), blk.shard_block_ids(sp, tp, j))
+                           for j in range(sp))
+            tp_view[name], sp_view[name] = blk.tp_view_of_shards(shards, mesh), shards
+        else:
+            blocks = blocks_of(weight, blk.block_sharding(mesh, ndim), all_blocks)
+            tp_view[name], sp_view[name] = blk.store_blocks(blocks, mesh, storage, weight.kind)
+    bqkv = None
+    if "layers.bqkv" in plan:
+        bqkv = blocks_of(plan["layers.bqkv"], blk.block_sharding(mesh, 3), all_blocks)
+    embed = blocks_of(plan["embed"], NamedSharding(mesh, EMBED_SPEC), all_blocks)
+    lm_head = None
+    if "lm_head" in plan:
+        lm_head = blocks_of(plan["lm_head"], NamedSharding(mesh, LM_HEAD_SPEC), all_blocks)
+    replicated = NamedSharding(mesh, REPLICATED)
+    norms = {name: make_replicated(name, replicated) for name in REPLICATED_TENSORS}
+
+    def view(weights):
+        return ShardedParams(
+            embed=embed, final_norm=norms["final_norm"], lm_head=lm_head,
+            layers=LayerWeights(attn_norm=norms["layers.attn_norm"], mlp_norm=norms["layers.mlp_norm"],
+                                bqkv=bqkv, **weights))
+
+    return ModelWeights(config=config, layout=layout, dims=local_dims(config, layout), mesh=mesh,
+                        storage=storage, tp=view(tp_view), sp=view(sp_view))
