@@ -46,6 +46,7 @@ def test_compare_runs_every_deployment_on_the_same_requests(tmp_path):
         assert all(r["result"]["summary"]["completed"] > 0
                    and r["result"]["summary"]["failed"] == 0 for r in deployment["runs"])
         assert all(r["result"]["device"] == "loopback" for r in deployment["runs"])
+        assert all(r["result"]["summary"]["goodput_slos_ms"] == {"ttft": 5000.0} for r in deployment["runs"])
     # the same requests went to both
     for run_fast, run_slow in zip(fast["runs"], slow["runs"]):
         lengths = lambda run: [(q["prompt_len"], q["output_len"], q["scheduled_at"]) for q in run["result"]["requests"]]  # noqa: E731

@@ -82,6 +82,13 @@ def test_max_concurrency_caps_requests_in_flight():
     assert engine.step_trace and {s["mode"] for s in engine.step_trace} == {"tp"}
 
 
+def test_warmup_requests_are_sent_first_and_not_recorded():
+    result, engine, workload = run_against_fake(dict(num_prompts=3, input_len=8, output_len=2, warmup_requests=2))
+    assert len(engine.requests) == 5 and len(result["requests"]) == 3
+    assert [r["prompt_ids"] for r in engine.requests[:2]] == workload.prompts[:2]
+    assert result["summary"]["completed"] == 3
+
+
 def test_request_rate_spreads_the_sends():
     result, _, _ = run_against_fake(dict(num_prompts=6, input_len=8, output_len=2, request_rate=20.0))
     scheduled = [r["scheduled_at"] for r in result["requests"]]

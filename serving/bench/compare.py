@@ -158,8 +158,10 @@ def compare_main(argv: list[str]) -> int:
             deployments = [d for d in deployments if d.name in args.only]
         specs = read_workloads(args.workloads)
         base = serve_bench.config_from_args(args, server="")
+        # options given on the command line apply to every workload that does not set them
+        defaults = dataclasses.asdict(serve_bench.ServeBenchConfig(server=""))
         common = {k: v for k, v in dataclasses.asdict(base).items()
-                  if k in ("backend", "seed", "goodput", "tokenizer", "vocab_size", "model", "api_key_file", "progress")}
+                  if k in CONFIG_FIELDS - {"label", "device"} and v != defaults[k]}
         common["percentiles"] = sorted(set(base.percentiles) | {50.0, 99.0})  # the plots need p50 and p99
         runs = planned_runs(specs, common)
     except (ValueError, OSError) as error:

@@ -21,6 +21,7 @@ from shiftjax.serving.bench import metrics, workloads
 from shiftjax.serving.bench.report import print_summary_table, write_json
 
 BACKENDS = ("grpc", "openai")
+DEFAULT_RANDOM_PROMPTS = 1000
 
 
 @dataclasses.dataclass
@@ -30,7 +31,7 @@ class ServeBenchConfig:
     server: str
     backend: str = "grpc"
     dataset: str = "random"
-    num_prompts: int = 100
+    num_prompts: int | None = None  # random: 1000 when not given (vLLM's default); trace: no cap
     input_len: int = 1024
     output_len: int = 128
     range_ratio: float = 0.0
@@ -42,6 +43,7 @@ class ServeBenchConfig:
     burstiness: float = 1.0
     max_concurrency: int | None = None
     seed: int = 0
+    warmup_requests: int = 0
     goodput: list[str] = dataclasses.field(default_factory=list)
     percentiles: list[float] = dataclasses.field(default_factory=lambda: list(metrics.DEFAULT_PERCENTILES))
     tokenizer: str | None = None
@@ -73,7 +75,8 @@ def build_workload(config: ServeBenchConfig) -> Workload:
     """The requests, their prompt ids and their send times, all from ``config.seed``."""
     rng = np.random.default_rng(config.seed)
     if config.dataset == "random":
-        requests = workloads.random_requests(config.num_prompts, config.input_len, config.output_len,
+        num_prompts = DEFAULT_RANDOM_PROMPTS if config.num_prompts is None else config.num_prompts
+        requests = workloads.random_requests(num_prompts, config.input_len, config.output_len,
                                              config.range_ratio, rng)
         offsets = workloads.arrival_offsets(len(requests), config.request_rate, config.burstiness, rng)
     else:
@@ -125,6 +128,7 @@ async def run_serve_bench(config: ServeBenchConfig, workload: Workload | None = 
             server_info = await backend.server_info()
         except Exception as error:  # info is a courtesy for the result file, not the run
             server_info = {"error": f"{type(error).__name__}: {error}"}
+        await warm_up(backend, workload, config.warmup_requests)
         started_unix = time.time()  # to line the requests up with a server's step trace
         records, duration = await run_load(backend, workload.requests, workload.prompts, workload.send_offsets,
                                            max_concurrency=config.max_concurrency, progress=config.progress)
@@ -140,11 +144,24 @@ async def run_serve_bench(config: ServeBenchConfig, workload: Workload | None = 
     }
 
 
+async def warm_up(backend, workload: Workload, count: int) -> None:
+    """Sends the first ``count`` requests of the workload one after another and forgets
+    them: first-use costs on either side (connections, allocator, lazy set-up) stay out of
+    the measurement. A warm-up that fails stops the run, since the server is not right."""
+    for index in range(min(count, len(workload.requests))):
+        request = workload.requests[index]
+        record = metrics.RequestRecord(index=-1, prompt_len=request.prompt_len, output_len=request.output_len)
+        await backend.generate(record, workload.prompts[index])
+        if not record.success:
+            raise ConnectionError(f"the warm-up request failed: {record.error}")
+
+
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """The options that say what to send and when (shared with ``bench compare``)."""
     parser.add_argument("--backend", choices=BACKENDS, default="grpc")
     parser.add_argument("--dataset", choices=("random", "trace"), default="random")
-    parser.add_argument("--num-prompts", type=int, default=100, help="requests (a trace: at most this many)")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help=f"requests (random: default {DEFAULT_RANDOM_PROMPTS}; a trace: at most this many)")
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--range-ratio", type=float, default=0.0,
@@ -157,6 +174,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson, < 1 burstier")
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup-requests", type=int, default=0,
+                        help="send this many of the workload's requests one at a time first, unrecorded")
     parser.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
     parser.add_argument("--percentiles", default="50,90,99", help="comma-separated, as numpy.percentile takes them")
     parser.add_argument("--tokenizer", help="a directory with tokenizer.json: prompts avoid its special tokens")
@@ -171,7 +190,8 @@ def config_from_args(args: argparse.Namespace, server: str) -> ServeBenchConfig:
         server=server, backend=args.backend, dataset=args.dataset, num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio, trace=args.trace,
         time_scale=args.time_scale, start=args.start, duration=args.duration, request_rate=args.request_rate,
-        burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed, goodput=args.goodput,
+        burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed,
+        warmup_requests=args.warmup_requests, goodput=args.goodput,
         percentiles=[float(p) for p in args.percentiles.split(",")], tokenizer=args.tokenizer,
         vocab_size=args.vocab_size, model=args.model, api_key_file=args.api_key_file,
         label=getattr(args, "label", None), device=getattr(args, "device", None), progress=not args.no_progress,
