@@ -10,6 +10,7 @@ import pytest
 from shiftjax.serving.bench.workloads import (
     TraceRow,
     allowed_token_ids,
+    clip_lengths,
     arrival_offsets,
     prompt_token_ids,
     random_requests,
@@ -85,6 +86,14 @@ def test_trace_whole_and_capped():
         window_trace(ROWS, start_s=31.0)
     with pytest.raises(ValueError, match="time-scale"):
         window_trace(ROWS, time_scale=0.0)
+
+
+def test_clip_lengths():
+    clipped = clip_lengths(window_trace(ROWS), max_input_len=25, max_output_len=None)
+    assert [(r.prompt_len, r.output_len) for r in clipped] == [(10, 1), (20, 2), (25, 1), (25, 4), (25, 5)]
+    assert [r.arrival_s for r in clipped] == [0.0, 1.0, 3.0, 10.0, 30.0]
+    with pytest.raises(ValueError, match="max-output-len"):
+        clip_lengths(clipped, None, 0)
 
 
 def test_read_azure_csv(tmp_path):

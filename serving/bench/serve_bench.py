@@ -39,6 +39,8 @@ class ServeBenchConfig:
     time_scale: float = 1.0
     start: float = 0.0
     duration: float | None = None
+    max_input_len: int | None = None  # clip a trace's lengths to what the model allows
+    max_output_len: int | None = None
     request_rate: float = math.inf
     burstiness: float = 1.0
     max_concurrency: int | None = None
@@ -83,6 +85,7 @@ def build_workload(config: ServeBenchConfig) -> Workload:
         rows = workloads.read_trace(config.trace)
         requests = workloads.window_trace(rows, start_s=config.start, duration_s=config.duration,
                                           time_scale=config.time_scale, max_requests=config.num_prompts)
+        requests = workloads.clip_lengths(requests, config.max_input_len, config.max_output_len)
         offsets = [r.arrival_s for r in requests]
     prompts = workloads.prompt_token_ids(requests, prompt_vocabulary(config), rng)
     return Workload(requests, prompts, [float(t) for t in offsets])
@@ -170,6 +173,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply trace times by this (0.1: 10x faster)")
     parser.add_argument("--start", type=float, default=0.0, help="seconds of trace time to skip")
     parser.add_argument("--duration", type=float, default=None, help="seconds of trace time to replay")
+    parser.add_argument("--max-input-len", type=int, default=None, help="clip trace prompts to this many tokens")
+    parser.add_argument("--max-output-len", type=int, default=None, help="clip trace outputs to this many tokens")
     parser.add_argument("--request-rate", type=float, default=math.inf, help="requests per second (inf: all at once)")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson, < 1 burstier")
     parser.add_argument("--max-concurrency", type=int, default=None)
@@ -189,7 +194,8 @@ def config_from_args(args: argparse.Namespace, server: str) -> ServeBenchConfig:
     return ServeBenchConfig(
         server=server, backend=args.backend, dataset=args.dataset, num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio, trace=args.trace,
-        time_scale=args.time_scale, start=args.start, duration=args.duration, request_rate=args.request_rate,
+        time_scale=args.time_scale, start=args.start, duration=args.duration,
+        max_input_len=args.max_input_len, max_output_len=args.max_output_len, request_rate=args.request_rate,
         burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed,
         warmup_requests=args.warmup_requests, goodput=args.goodput,
         percentiles=[float(p) for p in args.percentiles.split(",")], tokenizer=args.tokenizer,

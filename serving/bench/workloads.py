@@ -156,6 +156,17 @@ def window_trace(rows: list[TraceRow], *, start_s: float = 0.0, duration_s: floa
     ]
 
 
+def clip_lengths(requests: list[WorkloadRequest], max_input_len: int | None,
+                 max_output_len: int | None) -> list[WorkloadRequest]:
+    """``requests`` with lengths clipped to the given maxima (a trace's 7k-token prompts on
+    a model served with a 512-token context); ``None`` leaves a length alone."""
+    for name, value in (("--max-input-len", max_input_len), ("--max-output-len", max_output_len)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    return [dataclasses.replace(r, prompt_len=min(r.prompt_len, max_input_len or r.prompt_len),
+                                output_len=min(r.output_len, max_output_len or r.output_len)) for r in requests]
+
+
 def allowed_token_ids(vocab_size: int, special_ids=()) -> np.ndarray:
     """Token ids a random prompt may use: the vocabulary minus the special tokens (a stray
     end-of-text or chat marker in the middle of a prompt changes what a model attends to)."""
