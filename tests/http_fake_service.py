@@ -51,6 +51,7 @@ class FakeService:
         self.max_model_len = max_model_len
         self.ready, self.draining = True, False
         self.capacity: int | None = None  # live requests before Overloaded, when set
+        self.echo = False  # reply with the prompt's text before REPLY, so replies differ by prompt
         self.fail_after: int | None = None  # tokens before an internal error, when set
         self.raise_after: int | None = None  # tokens before the stream raises RequestFailed
         self.submitted: list[GenerationRequest] = []
@@ -90,7 +91,8 @@ class FakeService:
         params = request.params
         produced = ""
         try:
-            for position, char in enumerate(REPLY + "\x03"):
+            reply = (self.tokenizer.decode(request.prompt_ids) if self.echo else "") + REPLY + "\x03"
+            for position, char in enumerate(reply):
                 await asyncio.sleep(self.token_delay)
                 if request_id not in self.live:  # cancelled
                     yield Delta(request_id, finish_reason=FINISH_ABORT, usage=self._usage(request, position, start))

@@ -313,3 +313,18 @@ def test_api_key(service):
         assert client.get("/health").status_code == 200  # open, for load balancers
         assert client.get("/metrics").status_code == 404  # no Metrics given: no route
         assert not service.submitted[1:]  # only the authorised request reached the service
+
+
+def test_token_bytes_of_a_byte_level_tokenizer():
+    """Pieces of one multi-byte character decode to U+FFFD alone; their bytes must still
+    join into the character's UTF-8 (what OpenAI's ``bytes`` field is for)."""
+    from shiftjax.checkpoints.default_model import default_model_path
+    from shiftjax.checkpoints.load import load_tokenizer
+    from shiftjax.serving.openai_schema import TokenText
+
+    tokenizer = load_tokenizer(default_model_path())
+    text = "héllo wörld ✓ 日本 <|im_end|>"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    token_text = TokenText(tokenizer)
+    assert any("\ufffd" in token_text.text(i) for i in ids)  # the case that needs the byte table
+    assert b"".join(bytes(token_text.bytes(i)) for i in ids) == text.encode()

@@ -1,6 +1,7 @@
 """The official ``openai`` package against a real uvicorn server (fake service behind it),
 and client disconnects: each must cancel its request at once."""
 
+import json
 import time
 
 import httpx
@@ -25,7 +26,7 @@ def served():
 @pytest.fixture
 def client(served):
     service, url = served
-    service.token_delay = 0.0
+    service.token_delay, service.echo = 0.0, False
     return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=30)
 
 
@@ -136,3 +137,47 @@ def test_disconnect_while_waiting_for_a_plain_reply_cancels_it(served):
     assert wait_for(lambda: not service.live)
     assert time.monotonic() - gone < 1.0
     assert len(service.cancelled) > 0 and service.cancelled[-1] == service.closed[-1]
+
+
+def test_200_concurrent_streams_all_complete_once(served):
+    """Every stream gets its whole reply exactly once, however the 200 interleave."""
+    import asyncio
+
+    service, url = served
+    service.token_delay, service.echo = 0.005, True
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    async def one(http, i):
+        chat = i % 2 == 1
+        body = {"model": "fake-model", "max_tokens": 5 + i % 10, "stream": True,
+                "stream_options": {"include_usage": True}}
+        body |= {"messages": [{"role": "user", "content": f"#{i}"}]} if chat else {"prompt": f"#{i}"}
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        prompt = f"[user]#{i}\n[assistant]" if chat else f"#{i}"
+        expected = (prompt + REPLY)[:5 + i % 10]
+        text, ids, usage = "", set(), None
+        async with http.stream("POST", f"{url}{path}", json=body, headers=headers) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                ids.add(chunk["id"])
+                for choice in chunk["choices"]:
+                    text += choice["delta"].get("content") or "" if chat else choice["text"]
+                usage = chunk.get("usage") or usage
+        return i, text == expected, ids, usage
+
+    async def main():
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(200)))
+
+    results = asyncio.run(main())
+    assert [i for i, *_ in results] == list(range(200))
+    service.echo = False
+    for i, correct, ids, usage in results:
+        assert correct, i
+        assert len(ids) == 1 and usage["completion_tokens"] == 5 + i % 10
+    assert len({next(iter(ids)) for _, _, ids, _ in results}) == 200  # no reply went to two clients
+    assert not service.live
