@@ -15,6 +15,7 @@ device, on any ``sp x tp`` mesh, or (through :func:`dummy_params` and
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import zlib
@@ -80,7 +81,8 @@ def _segment_values(key: jax.Array, rows: Int[Array, "n"], other: tuple[int, ...
 
 
 def _generate_block(weight: BlockWeight, shapes: dict, rows: list, seed: int, dtype) -> jax.Array:
-    """Block of ``weight`` whose segments take canonical indices ``rows`` (traced)."""
+    """Block of ``weight`` whose segments take canonical indices ``rows`` (traced); stacked
+    weights come with their block axis, ``[layers, 1, ...]``."""
     canonical = shapes[weight.segments[0].tensor]
     layered = weight.segments[0].tensor.startswith("layers.")
     cut = weight.cut_axis - 1 if layered else weight.cut_axis
@@ -94,7 +96,10 @@ def _generate_block(weight: BlockWeight, shapes: dict, rows: list, seed: int, dt
             if layered:
                 key = jax.random.fold_in(key, layer)
             parts.append(_segment_values(key, segment_rows, other, cut, dtype))
-        return jnp.concatenate(parts, axis=cut)
+        block = jnp.concatenate(parts, axis=cut)
+        # The block axis is added per layer: adding it to the stacked result made XLA keep
+        # the stack in a temporary and copy it out (twice the block's memory, on the CPU).
+        return block[None] if weight.stacked else block
 
     if not layered:
         return layer_block(None)
@@ -103,21 +108,36 @@ def _generate_block(weight: BlockWeight, shapes: dict, rows: list, seed: int, dt
     return lax.map(layer_block, jnp.arange(canonical[0]))
 
 
+@functools.lru_cache(maxsize=64)
+def _block_program(tensors: tuple[str, ...], kind: str, cut_axis: int, shapes: tuple, seed: int, dtype,
+                   mesh: Mesh, spec: P):
+    """The jitted program making one block array; the index tables are its arguments, so the
+    ``sp`` shards of one aliased weight share one executable."""
+    weight = BlockWeight(tensors[0], kind, cut_axis, tuple(Segment(t, np.zeros((1, 1), np.int64)) for t in tensors))
+    axes = spec[weight.block_axis] if len(spec) > weight.block_axis else None
+
+    def local(*tables):
+        # The shard position along the block axis; with a tuple of axes, axis_index
+        # linearises them in the spec's order, as the sharding does.
+        position = 0 if axes is None else lax.axis_index(axes)
+        rows = [table[position] for table in tables]
+        block = _generate_block(weight, dict(shapes), rows, seed, dtype)
+        return block
+
+    local_fn = jax.shard_map(local, mesh=mesh, in_specs=(P(),) * len(tensors), out_specs=spec)
+    return jax.jit(local_fn, out_shardings=NamedSharding(mesh, spec))
+
+
 def _block_maker(mesh: Mesh, shapes: dict, seed: int, dtype):
     def make_blocks(weight: BlockWeight, shape, sharding: NamedSharding, blocks_at):
-        axes = sharding.spec[weight.block_axis] if len(sharding.spec) > weight.block_axis else None
-        tables = [np.asarray(segment.index)[np.asarray(blocks_at)] for segment in weight.segments]
-
-        def local():
-            # The shard position along the block axis; with a tuple of axes, axis_index
-            # linearises them in the spec's order, as the sharding does.
-            position = 0 if axes is None else lax.axis_index(axes)
-            rows = [jnp.asarray(table)[position] for table in tables]
-            block = _generate_block(weight, shapes, rows, seed, dtype)
-            return block[:, None] if weight.stacked else block
-
-        local_fn = jax.shard_map(local, mesh=mesh, in_specs=(), out_specs=sharding.spec)
-        return jax.jit(local_fn, out_shardings=sharding)()
+        program = _block_program(tuple(segment.tensor for segment in weight.segments), weight.kind,
+                                 weight.cut_axis, tuple(shapes.items()), seed, dtype, mesh, sharding.spec)
+        # [positions, n] canonical indices per segment: small, replicated inputs.
+        tables = [np.asarray(segment.index)[np.asarray(blocks_at)].astype(np.int32) for segment in weight.segments]
+        replicated = NamedSharding(mesh, P())
+        out = program(*[jax.device_put(table, replicated) for table in tables])
+        assert out.shape == tuple(shape), (weight.name, out.shape, shape)
+        return out
 
     def make_replicated(name: str, sharding: NamedSharding):
         return jax.jit(lambda: jnp.ones(shapes[name], dtype), out_shardings=sharding)()
