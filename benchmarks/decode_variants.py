@@ -1,95 +1,118 @@
-"""Where a Llama-3-8B-shaped TP decode step on one GPU spends its time beyond the floor.
+"""The layer loop of a Llama-3-8B-shaped TP decode step on one GPU, against the read floor.
 
-Variants of the same step (bf16 random weights, 8 and 64 sequences at 512 context):
-``scan`` (the shipped layer scan), ``unrolled`` (a Python loop over layers, static weight
-slices), ``greedy`` (the scan with argmax instead of the full top-k/top-p sampler). Run once
-plain and once with ``XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true`` by
-``benchmarks/run_gpu_decode_variants.sh``. Also lists the copy / dynamic-slice instructions
-of the optimised HLO that move more than 1 MiB.
+The shipped step (``make_step``) with each ``layer_loop`` (``scan``: ``lax.scan`` over the
+stacked layers, compile time flat in depth; ``unrolled``: a Python loop, static slices),
+bf16 random weights and a random-filled cache, 8 and 64 sequences at 512 context. Each
+executable is timed on a greedy batch (the sampler skips its vocabulary sort) and on a
+sampled one (temperature 1, top-k 50, top-p 0.9), so the difference is the sampler's cost.
+No monkeypatching: what runs is what the engine compiles.
+
+Floors: weight bytes (all but the embedding table, which is gathered) over the read-only
+stream rate (``roofline.read_ceiling``; decode reads its weights and writes almost
+nothing), and, for comparison with older figures, over the copy rate (bytes read +
+written / s). Both ceilings are the best of several tries in the same run (or taken from
+``--ceilings FILE``, a ``roofline.py --json`` output of the same call). Times are host
+wall clock per step (median of 20, what serving sees); the device span from a profiler
+trace is printed beside it where the trace has one. Also reports the weight and cache
+moves in the optimised HLO of each executable (``hlo_moves.hlo_report``).
+
+    python3 benchmarks/decode_variants.py [--loops scan,unrolled] [--json FILE]   # GPU
+    python3 benchmarks/decode_variants.py --smoke                                 # any machine
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
-import re
 import sys
 import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import model_gpu  # noqa: E402
-from roofline import copy_bandwidth, time_fn  # noqa: E402
+from hlo_moves import hlo_report  # noqa: E402
+from roofline import ceilings, describe, device_time, time_fn  # noqa: E402
 
-import shiftjax.model as model  # noqa: E402
-import shiftjax.steps as steps  # noqa: E402
-from shiftjax.batch import empty_batch  # noqa: E402
 from shiftjax.serving.executables import to_device  # noqa: E402
+from shiftjax.steps import LAYER_LOOPS, make_step, params_for  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "default")
 
 
-def unrolled_layers(layer_fn, x, layers, k_cache, v_cache, ctx):
-    for i in range(layers.attn_norm.shape[0]):
-        weights = jax.tree.map(lambda w, i=i: w[i], layers)
-        x, k_cache, v_cache = layer_fn(x, weights, k_cache, v_cache, jnp.int32(i), ctx)
-    return x, k_cache, v_cache
-
-
-def greedy(logits, *args):
-    return jnp.argmax(logits, -1).astype(jnp.int32), jnp.max(logits, -1)
-
-
-def big_moves(hlo: str) -> dict:
-    sizes = {"bf16": 2, "f32": 4, "s32": 4, "u32": 4, "u16": 2, "pred": 1, "s8": 1, "u8": 1}
-    found = {}
-    for m in re.finditer(r"= ([a-z0-9]+)\[([0-9,]*)\]\{[^}]*\} (copy|dynamic-slice|slice)\(", hlo):
-        dims = [int(d) for d in m.group(2).split(",") if d]
-        nbytes = int(np.prod(dims)) * sizes.get(m.group(1), 4)
-        if nbytes > (1 << 20):
-            key = f"{m.group(3)} {m.group(1)}{dims}"
-            found[key] = found.get(key, 0) + 1
-    return found
-
-
 def main():
-    flags = os.environ.get("XLA_FLAGS", "")
-    print("XLA_FLAGS:", flags, jax.devices(), flush=True)
-    weights, caches = model_gpu.llama8b_weights_and_caches()
-    bandwidth = copy_bandwidth(2 << 30)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, any machine: runs the code path only")
+    parser.add_argument("--loops", default=",".join(LAYER_LOOPS), help="comma-separated layer loops to time")
+    parser.add_argument("--seqs", default=None, help="comma-separated sequence counts (default 8,64)")
+    parser.add_argument("--ceilings", help="JSON from roofline.py --json (else measured here)")
+    parser.add_argument("--json", help="write every number to this file")
+    args = parser.parse_args()
+    shapes = model_gpu.decode_shapes(args.smoke)
+    config, context, page_size = shapes["config"], shapes["context"], shapes["page_size"]
+    seqs = [int(s) for s in args.seqs.split(",")] if args.seqs else ([4] if args.smoke else [8, 64])
+    loops = args.loops.split(",")
+    print(f"# {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} jax {jax.__version__} {jax.devices()} "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
+    if args.ceilings:
+        with open(args.ceilings) as f:
+            ceiling = json.load(f)
+        print(f"ceilings from {args.ceilings}:", flush=True)
+    else:
+        ceiling = ceilings(8 << 20, 1, 128) if args.smoke else ceilings()
+    print(describe(ceiling), flush=True)
+    weights, caches = model_gpu.weights_and_caches(config, context=context, max_seqs=max(seqs), page_size=page_size)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(weights.tp)) - weights.tp.embed.nbytes
-    original_run, original_sample = model.run_layers, steps.sample
-    for variant in ("scan", "unrolled", "greedy"):
-        steps.run_layers = unrolled_layers if variant == "unrolled" else original_run
-        steps.sample = greedy if variant == "greedy" else original_sample
-        for num_seqs in (8, 64):
-            batch = empty_batch(num_seqs, num_seqs, 64)
-            for b in range(num_seqs):
-                pages = 1 + b * 33 + np.arange(33)
-                batch.page_table[b, :33] = pages
-                batch.seq_lens[b], batch.positions[b] = 513, 512
-                batch.slot_mapping[b] = pages[32] * 16
-                batch.query_start[b + 1], batch.sample_index[b], batch.token_ids[b] = b + 1, b, b + 7
-            dev = to_device(batch, weights)
+    read_floor = weight_bytes / ceiling["read"]["best"]
+    copy_floor = weight_bytes / ceiling["copy"]["best"]
+    print(f"weight bytes read per step {weight_bytes / 1e9:.2f} GB: read floor {read_floor * 1e3:.2f} ms, "
+          f"copy-rate floor {copy_floor * 1e3:.2f} ms", flush=True)
+    results = {"ceilings": ceiling, "weight_bytes": weight_bytes, "read_floor_ms": read_floor * 1e3,
+               "copy_floor_ms": copy_floor * 1e3, "runs": []}
+    for loop in loops:
+        for num_seqs in seqs:
+            batches = {kind: to_device(model_gpu.decode_batch(num_seqs, context, page_size, 64,
+                                                              sampled=kind == "sampled"), weights)
+                       for kind in ("greedy", "sampled")}
             start = time.perf_counter()
-            exe = steps.make_step(weights, "tp", attention="pallas").lower(
-                steps.params_for(weights, "tp"), caches, dev).compile()
+            exe = make_step(weights, "tp", attention=model_gpu.ATTENTION, layer_loop=loop).lower(
+                params_for(weights, "tp"), caches, batches["greedy"]).compile()
             compile_s = time.perf_counter() - start
+            report = hlo_report(exe, caches, weights)
             state = {"caches": caches}
 
             def run(b):
-                out, state["caches"] = exe(steps.params_for(weights, "tp"), state["caches"], b)
+                out, state["caches"] = exe(params_for(weights, "tp"), state["caches"], b)
                 return out.packed
 
-            seconds = time_fn(run, dev, warmup=3, iters=20)
+            for kind, batch in batches.items():
+                seconds = time_fn(run, batch, warmup=3, iters=3 if args.smoke else 20)
+                trace = device_time(run, (batch,), 3 if args.smoke else 10)
+                span = trace["span"] if trace else None
+                row = {"loop": loop, "seqs": num_seqs, "sampling": kind, "step_ms": seconds * 1e3,
+                       "timer": "host wall clock", "device_span_ms": span * 1e3 if span else None,
+                       "read_floor_over_step": read_floor / seconds, "copy_floor_over_step": copy_floor / seconds,
+                       "compile_s": compile_s, "hlo": report}
+                results["runs"].append(row)
+                print(f"{loop:8s} {kind:7s} B={num_seqs:3d}: {seconds * 1e3:7.2f} ms/step [host wall clock]"
+                      + (f", device span {span * 1e3:.2f} ms" if span else ", no device trace")
+                      + f"; read floor / step {read_floor / seconds:.0%} (copy-rate floor / step "
+                      f"{copy_floor / seconds:.0%}); compile {compile_s:.1f} s", flush=True)
             caches = state["caches"]
-            floor = weight_bytes / bandwidth
-            print(f"{variant:9s} B={num_seqs:3d}: {seconds * 1e3:7.2f} ms/step, weight floor {floor * 1e3:.2f} ms "
-                  f"({floor / seconds:.0%}), compile {compile_s:.1f} s", flush=True)
-            if num_seqs == 8:
-                print("   big copies/slices:", big_moves(exe.as_text()), flush=True)
+            print(f"   HLO: weight dynamic-slices {report['weight_dynamic_slices']}, copies "
+                  f"{report['weight_copies']}, static slices {report['weight_static_slices']}; cache moves "
+                  f"{report['cache_moves'] or 'none'}; {report['weight_moves']}", flush=True)
+    print("\n| layer loop | sampling | seqs | ms/step (host wall) | device span ms | of read floor | "
+          "of copy-rate floor | compile s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results["runs"]:
+        span = f"{r['device_span_ms']:.2f}" if r["device_span_ms"] else "-"
+        print(f"| {r['loop']} | {r['sampling']} | {r['seqs']} | {r['step_ms']:.2f} | {span} | "
+              f"{r['read_floor_over_step']:.0%} | {r['copy_floor_over_step']:.0%} | {r['compile_s']:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2, default=str)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 # repository root as working directory, and the checkout's folders importable under their
 # installed names (shiftjax.kernels is kernels/, ...) without installing: a shim package of
 # symlinks on PYTHONPATH. Run python as `python3 -P` so the checkout's own shiftjax/ folder
-# does not shadow the shim.
-export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+# does not shadow the shim. JAX_PLATFORMS and PY (the interpreter) may be set beforehand:
+# the CPU smoke test runs the same scripts with JAX_PLATFORMS=cpu PY=.venv/bin/python.
+export PYTHONUNBUFFERED=1 JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}"
+PY="${PY:-python3}"
 OUT="${OUT:-./bench_out}"
 mkdir -p "$OUT"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

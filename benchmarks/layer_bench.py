@@ -24,7 +24,9 @@ T, else implementation="xla"; the script prints which was used.
 Timing: L distinct layers unrolled in one jit, hidden state chained (no L2 reuse of weights).
 Reported time = device span of one call (first kernel start to last kernel end, profiler
 trace of CUPTI kernel records, median of several calls) / L: host dispatch excluded,
-launch gaps between kernels included; host wall clock / L printed beside it.  TP layers are the 8 blocks of the SP
+launch gaps between kernels included; host wall clock / L printed beside it. Where the
+trace holds no device events (the profiler failed, or a CPU) the reported time IS the host
+wall clock: every line and the summary's "timer" column say which timer produced the number.  TP layers are the 8 blocks of the SP
 layers' aliased storage (same buffers).  Roofline per layer = max(bytes / copy bandwidth,
 FLOPs / matmul rate); bytes = weights + GEMM and attention inputs and outputs; copy
 bandwidth counts bytes read + written (roofline.copy_bandwidth).
@@ -42,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from roofline import copy_bandwidth, device_time, matmul_rate, time_fn  # noqa: E402
+from roofline import DEVICE_SPAN, HOST_WALL, ceilings, describe, device_time, time_fn  # noqa: E402
 
 BF16 = jnp.bfloat16
 F32 = jnp.float32
@@ -195,20 +197,28 @@ def counts(cfg, T, mode):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="small shapes")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes, one token count, two layers, small ceilings: runs the code path on any machine")
     ap.add_argument("--tokens", default="8,64,512,4096")
     ap.add_argument("--sp-layers", type=int, default=4)
     ap.add_argument("--tp-layers", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=1e9)
     args = ap.parse_args()
+    if args.smoke:
+        args.tiny, args.tokens, args.sp_layers, args.tp_layers, args.reps = True, "16", 1, 2, 2
     deadline = time.monotonic() + args.budget_s
     cfg = Cfg(args.tiny)
     on_gpu = jax.devices()[0].platform == "gpu"
     print(f"jax {jax.__version__} device {jax.devices()[0].device_kind}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}",
           flush=True)
-    bw = float(os.environ["COPY_BW"]) if os.environ.get("COPY_BW") else copy_bandwidth()
-    rate = float(os.environ["MATMUL_RATE"]) if os.environ.get("MATMUL_RATE") else matmul_rate()
+    if os.environ.get("COPY_BW") and os.environ.get("MATMUL_RATE"):
+        bw, rate = float(os.environ["COPY_BW"]), float(os.environ["MATMUL_RATE"])
+    else:
+        measured = ceilings(8 << 20, 1, 128) if args.smoke else ceilings()
+        print(describe(measured), flush=True)
+        bw, rate = measured["copy"]["best"], measured["matmul"]["best"]
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s (read+write bytes / s); bf16 matmul {rate / 1e12:.0f} TFLOP/s",
           flush=True)
     key = jax.random.key(1)
@@ -275,16 +285,19 @@ def main():
             t_wall = time_fn(comp, *args_, warmup=2, iters=args.reps) / n_layers
             dt = device_time(comp, args_, args.reps, top=6)
             t = dt["span"] / n_layers if dt else t_wall
+            timer = DEVICE_SPAN if dt else HOST_WALL
             mode = name[:2]
             wb, ab, fl = counts(cfg, T, mode)
             floor_bw, floor_fl = (wb + ab) / bw, fl / rate
             floor = max(floor_bw, floor_fl)
             row[name] = (t, floor, floor_bw, floor_fl)
+            row.setdefault("timers", set()).add(timer)
             print(f"T={T:5d} {name:8s} layers {n_layers:3d}  {t * 1e6:9.1f} us/layer  floor {floor * 1e6:8.1f} us "
                   f"(bytes {(wb + ab) / 1e6:.1f} MB -> {floor_bw * 1e6:.1f} us; {fl / 1e9:.1f} GFLOP -> "
                   f"{floor_fl * 1e6:.1f} us)  x{t / floor:.2f}  attn={impl}  compile {tc:.1f}s  "
-                  + (f"[device span; kernel sum {dt['ksum'] / n_layers * 1e6:.1f} us, {dt['kernels'] / n_layers:.1f} "
-                     f"kernels/layer; host wall {t_wall * 1e6:.1f} us/layer]" if dt else "[host wall clock, no device trace]"),
+                  + (f"[{DEVICE_SPAN}; kernel sum {dt['ksum'] / n_layers * 1e6:.1f} us, {dt['kernels'] / n_layers:.1f} "
+                     f"kernels/layer; host wall {t_wall * 1e6:.1f} us/layer]" if dt
+                     else f"[{HOST_WALL}: the profiler trace had no device events]"),
                   flush=True)
             if dt:
                 for ts, cnt, kname in dt["top"]:
@@ -299,13 +312,13 @@ def main():
         results.append(row)
 
     print("\nSUMMARY (per layer, per device; collectives omitted)")
-    print("| T (global) | tokens/device SP / TP | attention | SP-one us (x floor) | SP-split us (x floor) | "
+    print("| T (global) | timer | tokens/device SP / TP | attention | SP-one us (x floor) | SP-split us (x floor) | "
           "split/one | SP-split-b us (x floor) | split-b/one | TP us (x floor) | SP floor us | TP floor us |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         T = r["T"]
         one, spl, spb, tp = r["SP-one"], r["SP-split"], r["SP-split-b"], r["TP"]
-        print(f"| {T} | {T // cfg.P} / {T} | {r['impl']} | {one[0] * 1e6:.1f} (x{one[0] / one[1]:.2f}) | "
+        print(f"| {T} | {' + '.join(sorted(r['timers']))} | {T // cfg.P} / {T} | {r['impl']} | {one[0] * 1e6:.1f} (x{one[0] / one[1]:.2f}) | "
               f"{spl[0] * 1e6:.1f} (x{spl[0] / spl[1]:.2f}) | {spl[0] / one[0]:.3f} | "
               f"{spb[0] * 1e6:.1f} (x{spb[0] / spb[1]:.2f}) | {spb[0] / one[0]:.3f} | "
               f"{tp[0] * 1e6:.1f} (x{tp[0] / tp[1]:.2f}) | {one[1] * 1e6:.1f} | {tp[1] * 1e6:.1f} |")

@@ -38,7 +38,10 @@ dispatch is excluded but launch gaps between kernels are included; the host wall
 (roofline.time_fn) / N is printed beside it.  Floors: bandwidth floor = bytes moved (weights +
 activations read + outputs written) / copy bandwidth, where copy bandwidth counts bytes
 read + bytes written of a device-to-device copy (roofline.copy_bandwidth).  FLOP floor =
-2 T K N / measured bf16 matmul rate.  Run with --tiny on the CPU to test the code paths.
+2 T K N / measured bf16 matmul rate.  Where the profiler trace holds no device events (the
+profiler failed, or a CPU) the reported time IS the host wall clock: each line says which
+timer produced it, and a summary cell timed by host wall clock is marked "[wall]".
+Run with --smoke on the CPU to test the code paths (--tiny: small shapes, every size).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ import numpy as np
 from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from roofline import copy_bandwidth, device_time, matmul_rate, time_fn  # noqa: E402
+from roofline import DEVICE_SPAN, HOST_WALL, ceilings as measure_ceilings, describe, device_time, time_fn  # noqa: E402
 
 from jax.experimental import pallas as pl  # noqa: E402
 
@@ -69,12 +72,13 @@ BF16 = jnp.bfloat16
 F32 = jnp.float32
 
 
-def ceilings():
-    bw = os.environ.get("COPY_BW")
-    rate = os.environ.get("MATMUL_RATE")
-    bw = float(bw) if bw else copy_bandwidth()
-    rate = float(rate) if rate else matmul_rate()
-    return bw, rate
+def ceilings(smoke: bool = False):
+    """(copy bandwidth, matmul rate): from COPY_BW / MATMUL_RATE if both set, else measured."""
+    if os.environ.get("COPY_BW") and os.environ.get("MATMUL_RATE"):
+        return float(os.environ["COPY_BW"]), float(os.environ["MATMUL_RATE"])
+    measured = measure_ceilings(8 << 20, 1, 128) if smoke else measure_ceilings()
+    print(describe(measured), flush=True)
+    return measured["copy"]["best"], measured["matmul"]["best"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -237,8 +241,10 @@ class Bench:
             self.log(f"  {mode} {proj:4s} T={T:5d} {name:8s} FAILED {msg} {extra}")
             return None
         t = dt["span"] / n if dt else t_wall
-        dev = (f"dev-span {dt['span'] / n * 1e6:.1f} kern-sum {dt['ksum'] / n * 1e6:.1f} kernels/call "
-               f"{dt['kernels'] / n:.1f} wall {t_wall * 1e6:.1f}") if dt else f"wall {t_wall * 1e6:.1f} (no device trace)"
+        timer = DEVICE_SPAN if dt else HOST_WALL
+        dev = (f"[{timer}] dev-span {dt['span'] / n * 1e6:.1f} kern-sum {dt['ksum'] / n * 1e6:.1f} kernels/call "
+               f"{dt['kernels'] / n:.1f} wall {t_wall * 1e6:.1f}") if dt else (
+            f"[{timer}: the profiler trace had no device events] wall {t_wall * 1e6:.1f}")
         bfloor = (wbytes + abytes) / self.bw
         ffloor = flops / self.rate
         floor = max(bfloor, ffloor)
@@ -246,7 +252,7 @@ class Bench:
         row = dict(mode=mode, proj=proj, T=T, name=name, us=t * 1e6, bw_us=bfloor * 1e6,
                    fl_us=ffloor * 1e6, floor_us=floor * 1e6, relerr=err, counts=counts, wall_us=t_wall * 1e6,
                    ksum_us=(dt["ksum"] / n * 1e6) if dt else float("nan"),
-                   extra=extra)
+                   extra=extra, timer=timer)
         self.rows.append(row)
         self.log(f"  {mode} {proj:4s} T={T:5d} {name:8s} {t * 1e6:9.1f} us  floor {floor * 1e6:8.1f} "
                  f"(bw {bfloor * 1e6:.1f} / flop {ffloor * 1e6:.1f})  x{t / floor:5.2f}  "
@@ -268,15 +274,19 @@ def reference(x, w_blocks_kind, kind):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="small shapes, CPU, Pallas interpret mode")
+    ap.add_argument("--smoke", action="store_true",
+                    help="--tiny with one token count per mode and two projections: the code paths, quickly")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--sp-tokens", default="8,64,512,4096")
     ap.add_argument("--tp-tokens", default="8,16,64")
     ap.add_argument("--proj", default="qkv,o,gu,down")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop measuring after this many seconds")
     args = ap.parse_args()
+    if args.smoke:
+        args.tiny, args.reps, args.sp_tokens, args.tp_tokens, args.proj = True, 2, "8", "16", "qkv,o"
     interpret = args.tiny or jax.devices()[0].platform != "gpu"
     print(f"jax {jax.__version__} device {jax.devices()[0].device_kind} interpret={interpret}", flush=True)
-    bw, rate = ceilings()
+    bw, rate = ceilings(args.smoke)
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s (read+write bytes / s); bf16 matmul {rate / 1e12:.0f} TFLOP/s",
           flush=True)
     G, projs = projections(args.tiny)
@@ -423,8 +433,11 @@ def main():
         del Ss, A_blk, AT_blk, S2
 
     # ----------------------------------- summary ----------------------------------------
+    timers = sorted({r["timer"] for r in bench.rows})
     print("\nSUMMARY (us per call: device span / kernel sum (span over floor); floor = max(bytes/copy_bw, "
           "flops/matmul_rate); vi = its best config; layer rows add the span of the 4 projections)")
+    print(f"timers used: {', '.join(timers) or 'none'}" + ("; cells marked [wall] are host wall clock per call, "
+          "dispatch included, with no kernel sum" if HOST_WALL in timers else ""))
     by = {}
     for r in bench.rows:
         k = (r["mode"], r["proj"], r["T"], r["name"])
@@ -441,7 +454,9 @@ def main():
                     r = by.get((mode, pname, T, nme))
                     if r:
                         fl = r
-                        cells.append(f"{r['us']:.1f} / {r['ksum_us']:.1f} (x{r['us'] / r['floor_us']:.2f})")
+                        wall = " [wall]" if r["timer"] == HOST_WALL else ""
+                        ksum = "-" if wall else f"{r['ksum_us']:.1f}"
+                        cells.append(f"{r['us']:.1f} / {ksum} (x{r['us'] / r['floor_us']:.2f}){wall}")
                     else:
                         cells.append("-")
                 if fl:
