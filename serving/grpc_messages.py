@@ -100,35 +100,23 @@ def response_from(delta: Delta) -> pb.GenerateResponse:
 
 
 def server_info_from(info: dict, stats: ServiceStats) -> pb.ServerInfoResponse:
-    """``info`` is ``service.info()``; fields it lacks stay at their zero values, and the
-    whole of it travels as JSON in ``info_json`` for whatever the typed fields miss."""
-    def ints(key):
-        return [int(v) for v in info.get(key) or ()]
-
+    """``info`` is ``service.info()`` (its layout: serving/service_info.py); fields it lacks
+    stay at their zero values, and the whole of it travels as JSON in ``info_json``."""
+    buckets, pool, policy = info.get("buckets", {}), info.get("page_pool", {}), info.get("policy", {})
+    startup, limits = info.get("startup", {}), info.get("limits", {})
     return pb.ServerInfoResponse(
         model=str(info.get("model", "")), modes=[str(m) for m in info.get("modes", ())],
-        mesh={str(k): int(v) for k, v in dict(info.get("mesh") or {}).items()},
-        token_buckets=ints("token_buckets"), seq_buckets=ints("seq_buckets"),
-        page_size=int(info.get("page_size", 0)), num_pages=stats.num_pages, free_pages=stats.free_pages,
-        max_model_len=int(info.get("max_model_len", 0)), policy=str(info.get("policy", "")),
-        timings=[pb.StepTiming(mode=str(mode), tokens=int(tokens), seqs=int(seqs), seconds=float(seconds))
-                 for (mode, tokens, seqs), seconds in _timing_rows(info.get("timings"))],
-        executables=int(info.get("executables", 0)), compile_cache_hits=int(info.get("cache_hits", 0)),
-        compile_seconds=float(info.get("compile_seconds", 0.0)), running=stats.running, waiting=stats.waiting,
+        mesh={str(k): v for k, v in info.get("mesh", {}).items() if isinstance(v, int)},  # axis sizes
+        token_buckets=buckets.get("tokens", ()), seq_buckets=buckets.get("seqs", ()),
+        page_size=pool.get("page_size", 0), num_pages=stats.num_pages, free_pages=stats.free_pages,
+        max_model_len=limits.get("max_model_len", 0), policy=str(policy.get("name", "")),
+        timings=[pb.StepTiming(mode=row["mode"], tokens=row["tokens"], seqs=row["seqs"], seconds=row["seconds"])
+                 for row in policy.get("timing", ())],
+        executables=startup.get("executables", 0), compile_cache_hits=startup.get("cache_hits", 0),
+        compile_seconds=startup.get("compile_seconds", 0.0), running=stats.running, waiting=stats.waiting,
         steps=stats.steps, switches=stats.switches, preemptions=stats.preemptions,
         steps_by_mode=stats.steps_by_mode, tokens_by_mode=stats.tokens_by_mode, ready=stats.ready,
         draining=stats.draining, info_json=json.dumps(jsonable(info), sort_keys=True))
-
-
-def _timing_rows(timings):
-    """(mode, tokens, seqs), seconds pairs from a dict keyed by tuples or a list of rows."""
-    if isinstance(timings, dict):
-        return [(key, seconds) for key, seconds in timings.items() if isinstance(key, tuple) and len(key) == 3]
-    rows = []
-    for row in timings or ():
-        if isinstance(row, dict):
-            rows.append(((row["mode"], row["tokens"], row["seqs"]), row["seconds"]))
-    return rows
 
 
 def jsonable(value):

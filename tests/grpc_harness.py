@@ -69,10 +69,15 @@ class FakeEngineService:
                             ready=self.ready, draining=self.draining)
 
     def info(self) -> dict:
-        return {"model": "fake", "modes": ("tp", "sp"), "mesh": {"sp": 2, "tp": 2}, "token_buckets": (16, 64),
-                "seq_buckets": (4,), "page_size": PAGE_SIZE, "max_model_len": self.max_model_len,
-                "policy": "auto", "timings": {("tp", 16, 4): 0.01, ("sp", 64, 4): 0.02},
-                "executables": 4, "cache_hits": 0, "compile_seconds": 1.5}
+        """Laid out as serving/service_info.py lays out the real service's."""
+        return {"model": "fake", "modes": ["tp", "sp"], "mesh": {"sp": 2, "tp": 2, "axes": ["sp", "tp"]},
+                "buckets": {"tokens": [16, 64], "seqs": [4]},
+                "page_pool": {"num_pages": self.num_pages, "free_pages": self.free_pages, "page_size": PAGE_SIZE},
+                "policy": {"name": "auto", "threshold": None,
+                           "timing": [{"mode": "tp", "tokens": 16, "seqs": 4, "seconds": 0.01},
+                                      {"mode": "sp", "tokens": 64, "seqs": 4, "seconds": 0.02}]},
+                "startup": {"executables": 4, "compile_seconds": 1.5, "cache_hits": 0},
+                "limits": {"max_model_len": self.max_model_len}}
 
 
 class _FakeStream:

@@ -39,7 +39,7 @@ def test_chat_json_lines_and_info(server, tokenizer, capsys):
     assert len(lines) == 3 and lines[-1]["finishReason"] == "FINISH_REASON_LENGTH"
     assert client_main(["info", "--server", server.address]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["model"] == "fake" and info["free_pages"] == 256 and info["info"]["policy"] == "auto"
+    assert info["model"] == "fake" and info["free_pages"] == 256 and info["info"]["policy"]["name"] == "auto"
 
 
 def test_a_refused_request_prints_the_status_and_exits_1(server, capsys):

@@ -193,7 +193,8 @@ def test_server_info_reports_the_service(client, fake):
     assert sorted((t.mode, t.tokens, t.seqs, t.seconds) for t in info.timings) == \
         [("sp", 64, 4, 0.02), ("tp", 16, 4, 0.01)]
     assert info.ready and not info.draining
-    assert json.loads(info.info_json)["timings"] == {"sp/64/4": 0.02, "tp/16/4": 0.01}
+    assert info.max_model_len == fake.max_model_len
+    assert json.loads(info.info_json)["policy"]["timing"][0] == {"mode": "tp", "tokens": 16, "seqs": 4, "seconds": 0.01}
 
 
 def health_status(address, **channel) -> str:

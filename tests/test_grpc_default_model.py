@@ -1,0 +1,187 @@
+"""The gRPC server on the default model (SmolLM2-135M) on an sp 2 x tp 2 CPU mesh, with
+the OpenAI-compatible HTTP app beside it on the same service: streamed greedy tokens equal
+offline generate's, 200 concurrent streams (gRPC and HTTP mixed) each get exactly their
+own output, malformed requests are refused by name without leaking pages, and a cancel or
+an expired deadline frees pages at once.
+
+One engine serves the module: the offline expectations are generated on it first (through
+``LLM.generate``), then it is handed to the service, so the compile is paid once.
+"""
+
+import asyncio
+import json
+import socket
+import time
+
+import grpc
+import pytest
+
+from shiftjax.serving.client import AsyncClient, Client
+from shiftjax.serving.proto.shiftjax.v1 import inference_pb2 as pb
+from shiftjax.serving.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+ENGINE = dict(max_model_len=128, page_size=16, num_pages=64, max_num_seqs=8, max_num_batched_tokens=64,
+              token_buckets=(16, 64), seq_buckets=(8,), mode="auto", shift_threshold=32)
+TEXT_PROMPTS = ["Hello, my name is", "The capital of France is"]
+CHAT = "Name a colour."
+NUM_DISTINCT = 20  # the 200 concurrent requests cycle through these prompts
+FREE_AT_ONCE_SECONDS = 1.0  # a step or two on this CPU
+
+
+def distinct_prompt(i: int) -> list[int]:
+    return [1 + i, 200 + 7 * i, 3000 + 11 * i]
+
+
+@pytest.fixture(scope="module")
+def served():
+    from grpc_harness import ServerThread
+    from shiftjax.serving.http_server import create_app, uvicorn_server
+    from shiftjax.serving.llm import LLM
+    from shiftjax.serving.service import AsyncEngineService
+
+    llm = LLM("default", sp=2, tp=2, **ENGINE)
+    greedy = SamplingParams(max_tokens=8)
+    offline = {"text": llm.generate(TEXT_PROMPTS, greedy), "chat": llm.generate([CHAT], greedy, chat=True)[0],
+               "distinct": llm.generate([distinct_prompt(i) for i in range(NUM_DISTINCT)],
+                                        SamplingParams(max_tokens=4))}
+    service = AsyncEngineService(llm.engine, llm.tokenizer, model_name="default")
+    thread = ServerThread(service)
+    http = uvicorn_server(create_app(service, model_name="default"), host="127.0.0.1", port=free_port())
+    thread.call_soon(lambda: asyncio.ensure_future(http.serve()))
+    assert wait_for(lambda: http.started, 30)
+    yield {"thread": thread, "service": service, "offline": offline, "tokenizer": llm.tokenizer,
+           "http": f"http://127.0.0.1:{http.config.port}", "vocab_size": llm.config.vocab_size}
+    http.should_exit = True
+    thread.stop()
+    service.shutdown()
+
+
+@pytest.fixture
+def client(served):
+    with Client(served["thread"].address, timeout=120.0) as c:
+        c.wait_until_serving(120.0, poll_seconds=0.1)
+        yield c
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(condition, seconds: float) -> bool:
+    give_up = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > give_up:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_streamed_greedy_tokens_equal_offline_generate(client, served):
+    for prompt, expected in zip(TEXT_PROMPTS, served["offline"]["text"]):
+        responses = list(client.generate(prompt, max_tokens=8))
+        assert [t for r in responses for t in r.token_ids] == expected.output_ids
+        assert "".join(r.text for r in responses) == expected.text
+        assert len(responses) > 1  # streamed, not one reply at the end
+        usage = responses[-1].usage
+        assert usage.output_tokens == 8 and len(usage.modes) >= 8 and set(usage.modes) <= {"tp", "sp"}
+    chat = client.complete(messages=[{"role": "user", "content": CHAT}], max_tokens=8)
+    assert chat.token_ids == served["offline"]["chat"].output_ids
+
+
+def test_200_concurrent_streams_grpc_and_http_mixed_each_get_their_own_output(served):
+    """Even requests go through gRPC, odd ones through HTTP (/v1/completions, streamed)."""
+    import httpx
+
+    expected = [c.output_ids for c in served["offline"]["distinct"]]
+    tokenizer = served["tokenizer"]
+
+    async def over_grpc(client, i):
+        completion = await client.complete(prompt_ids=distinct_prompt(i % NUM_DISTINCT), max_tokens=4)
+        return i, completion.request_id, completion.token_ids, completion.finish_reason
+
+    async def over_http(http, i):
+        body = {"model": "default", "prompt": distinct_prompt(i % NUM_DISTINCT), "max_tokens": 4,
+                "temperature": 0, "stream": True}
+        text, ids, finish = "", set(), None
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                ids.add(chunk["id"])
+                for choice in chunk["choices"]:
+                    text += choice["text"]
+                    finish = choice.get("finish_reason") or finish
+        return i, ids, text, finish
+
+    async def run():
+        limits = httpx.Limits(max_connections=200)
+        async with AsyncClient(served["thread"].address, timeout=300.0) as client, \
+                httpx.AsyncClient(base_url=served["http"], timeout=300, limits=limits) as http:
+            return await asyncio.gather(*(over_grpc(client, i) if i % 2 == 0 else over_http(http, i)
+                                          for i in range(200)))
+
+    results = asyncio.run(run())
+    assert len(results) == 200
+    grpc_ids = [r[1] for r in results if r[0] % 2 == 0]
+    assert len(set(grpc_ids)) == 100  # none duplicated
+    for result in results:
+        i = result[0]
+        if i % 2 == 0:
+            assert result[2] == expected[i % NUM_DISTINCT] and result[3] == "length", i
+        else:
+            assert len(result[1]) == 1 and result[3] == "length", i
+            assert result[2] == tokenizer.decode(expected[i % NUM_DISTINCT]), i
+    assert wait_for(lambda: served["service"].stats().free_pages == served["service"].stats().num_pages, 5)
+
+
+# The server's threads use `random` (grpc), which Hypothesis notices and warns about.
+@pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")
+def test_malformed_and_out_of_range_requests_are_refused_by_name_and_leak_no_pages(client, served):
+    from hypothesis import HealthCheck, given, settings
+
+    from grpc_invalid_requests import generate_requests
+    from test_grpc_server import check_one_request
+
+    def all_free():
+        info = client.info()
+        return info.free_pages == info.num_pages
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(generate_requests(served["vocab_size"], ENGINE["max_model_len"]))
+    def check(case):
+        check_one_request(client, case, all_free)
+
+    check()
+
+
+def test_cancelling_mid_stream_frees_the_pages_at_once(client):
+    num_pages = client.info().num_pages
+    stream = client.generate(prompt_ids=distinct_prompt(3), max_tokens=100)
+    next(stream), next(stream)
+    assert client.info().free_pages < num_pages
+    stream.close()
+    assert wait_for(lambda: client.info().free_pages == num_pages, FREE_AT_ONCE_SECONDS)
+
+
+def test_an_expired_deadline_frees_the_pages_at_once(client):
+    num_pages = client.info().num_pages
+    with pytest.raises(grpc.RpcError) as caught:
+        client.complete(prompt_ids=distinct_prompt(4), max_tokens=100, timeout=0.5)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_for(lambda: client.info().free_pages == num_pages, FREE_AT_ONCE_SECONDS)
+
+
+def test_server_info_reports_the_engine(client):
+    info = client.info()
+    assert (info.model, list(info.modes), info.mesh["sp"], info.mesh["tp"]) == ("default", ["tp", "sp"], 2, 2)
+    assert (list(info.token_buckets), list(info.seq_buckets)) == ([16, 64], [8])
+    assert info.num_pages == ENGINE["num_pages"] - 1 and info.page_size == 16 and info.max_model_len == 128
+    assert info.executables == 4 and info.policy == "auto" and info.ready
+    assert json.loads(info.info_json)["model_config"]["vocab_size"] == 49152
+    assert info.steps > 0 and sum(info.steps_by_mode.values()) == info.steps
