@@ -123,7 +123,7 @@ def create_app(service, *, model_name: str, api_key: str | None = None,
     def max_model_len() -> int | None:
         if not max_model_len_cache:
             info = service.info()
-            value = info.get("max_model_len") or (info.get("config") or {}).get("max_model_len")
+            value = info.get("max_model_len") or (info.get("limits") or {}).get("max_model_len")
             if not isinstance(value, int):
                 return None
             max_model_len_cache.append(value)
