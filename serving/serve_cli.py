@@ -76,7 +76,7 @@ def serve_main(argv: list[str]) -> int:
                         stream=sys.stderr)
     try:
         return asyncio.run(_serve(args, tls, api_key))
-    except OSError as error:
+    except (OSError, RuntimeError) as error:  # a port in use; the engine failed to start
         log.error("%s", error)
         return 1
 
@@ -99,8 +99,12 @@ async def _serve(args, tls, api_key) -> int:
     metrics = Metrics()
     started = time.monotonic()
     service = await _build_or_stop(args, metrics, stop)
-    if service is None:
+    if service is not None:
+        grpc_server.attach(service)  # health turns SERVING by itself once the service is ready
+    if service is None or not await _ready_or_stop(service, stop):
         log.info("stopped during start-up")
+        if service is not None:
+            service.shutdown()
         await grpc_server.server.stop(0)
         return 0
     metrics.bind_stats(service.stats)
@@ -110,7 +114,7 @@ async def _serve(args, tls, api_key) -> int:
     if args.http_port is not None:
         from shiftjax.serving.http_server import create_app, uvicorn_server
 
-        app = create_app(service, model_name=args.served_model_name or _model_name(service), api_key=api_key,
+        app = create_app(service, model_name=args.served_model_name or service.model_name, api_key=api_key,
                          metrics=metrics)
         http_server = uvicorn_server(app, host=args.host, port=args.http_port)
         http_server.config.timeout_graceful_shutdown = max(1, round(args.grace_seconds))
@@ -125,21 +129,20 @@ async def _serve(args, tls, api_key) -> int:
 
         metrics_server, _ = start_metrics_server(metrics, args.metrics_port, args.host)
         log.info("serving Prometheus metrics on http://%s:%d/metrics", args.host, metrics_server.server_port)
-
-    grpc_server.attach(service)
     log.info("serving gRPC on %s (shiftjax.v1.InferenceService, health, reflection)", grpc_server.address)
     await stop.wait()
 
     log.info("draining: health NOT_SERVING, new requests refused, %.0f s for running ones", args.grace_seconds)
-    _begin_service_drain(service)
-    drains = [grpc_server.drain(args.grace_seconds)]
+    drains = [service.drain(args.grace_seconds), grpc_server.drain(args.grace_seconds + 1.0)]
     if http_server is not None:
         http_server.should_exit = True
         drains.append(http_task)
-    await asyncio.gather(*drains, return_exceptions=True)
+    aborted = (await asyncio.gather(*drains, return_exceptions=True))[0]
+    if isinstance(aborted, int) and aborted:
+        log.warning("%d requests were still running after the grace period and were aborted", aborted)
     if metrics_server is not None:
         metrics_server.shutdown()
-    await _close_service(service)
+    service.shutdown()
     log.info("stopped")
     return 0
 
@@ -163,33 +166,23 @@ async def _build_or_stop(args, observer, stop: asyncio.Event):
     return built.result() if built.done() else None
 
 
-def _model_name(service) -> str:
-    return str(service.info().get("model", "shiftjax"))
+async def _ready_or_stop(service, stop: asyncio.Event) -> bool:
+    """Waits until the service's executables are ready (True) or a signal comes (False);
+    the gRPC server already answers meanwhile (health NOT_SERVING, Generate UNAVAILABLE)."""
+    while not service.wait_ready(0):  # raises what the engine's start-up raised
+        if stop.is_set():
+            return False
+        await asyncio.sleep(0.1)
+    return True
 
 
 def _log_startup(service, seconds: float) -> None:
-    info, stats = service.info(), service.stats()
-    log.info("model %s on mesh %s, modes %s, policy %s; ready in %.1f s", info.get("model"), info.get("mesh"),
-             ",".join(info.get("modes", ())), info.get("policy"), seconds)
-    log.info("executables: %s (%s from the compilation cache), compile %.1f s summed", info.get("executables"),
-             info.get("cache_hits", 0), float(info.get("compile_seconds", 0.0)))
-    log.info("page pool: %d pages of %s tokens, %d free", stats.num_pages, info.get("page_size"), stats.free_pages)
-
-
-def _begin_service_drain(service) -> None:
-    """Tells the service to refuse new work (HTTP relies on it; gRPC refuses by itself)."""
-    for name in ("drain", "begin_drain", "start_draining"):
-        method = getattr(service, name, None)
-        if callable(method):
-            method()
-            return
-
-
-async def _close_service(service) -> None:
-    for name in ("aclose", "shutdown", "close", "stop"):
-        method = getattr(service, name, None)
-        if callable(method):
-            result = method()
-            if asyncio.iscoroutine(result):
-                await result
-            return
+    info = service.info()  # layout: serving/service_info.py
+    mesh, pool, startup = info.get("mesh", {}), info.get("page_pool", {}), info.get("startup", {})
+    log.info("model %s on an sp %s x tp %s mesh of %s %s devices; modes %s, policy %s; ready in %.1f s",
+             info.get("model"), mesh.get("sp"), mesh.get("tp"), mesh.get("devices"), mesh.get("platform"),
+             ",".join(info.get("modes", ())), info.get("policy", {}).get("name"), seconds)
+    log.info("executables: %s, %s loaded from the compilation cache, %.1f s compiling", startup.get("executables"),
+             startup.get("cache_hits"), float(startup.get("compile_seconds") or 0.0))
+    log.info("page pool: %s pages of %s tokens, %s free (%s)", pool.get("num_pages"), pool.get("page_size"),
+             pool.get("free_pages"), pool.get("explanation") or pool.get("sized_by"))

@@ -152,7 +152,7 @@ def test_malformed_and_out_of_range_requests_are_refused_by_name_and_leak_no_pag
         info = client.info()
         return info.free_pages == info.num_pages
 
-    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(generate_requests(served["vocab_size"], ENGINE["max_model_len"]))
     def check(case):
         check_one_request(client, case, all_free)
