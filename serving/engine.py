@@ -68,6 +68,14 @@ class EngineConfig:
         return self.num_pages or self.max_num_seqs * per_seq + 1
 
 
+class StepFailed(RuntimeError):
+    """A step raised; ``requests`` are the ones it had scheduled (the caller fails them)."""
+
+    def __init__(self, requests: list[Request]):
+        super().__init__(f"a step of {len(requests)} requests failed")
+        self.requests = requests
+
+
 @dataclasses.dataclass(frozen=True)
 class StepReport:
     """What one ``Engine.run_step`` did, for the service and its observer."""
@@ -174,23 +182,23 @@ class Engine:
     def run_step(self) -> StepReport | None:
         """Runs one step (None when there is nothing to run) and says what it did.
 
-        If the step raises, the requests scheduled in it are left to the caller (the
-        service fails them); caches lost to a failed donated call are reallocated and every
-        running request is preempted, to recompute what it had cached."""
+        If the step raises, :class:`StepFailed` names the requests scheduled in it (the
+        caller fails them; the cause is chained); caches lost to a failed donated call are
+        reallocated and every running request is preempted, to recompute what it had cached."""
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return None
-        num_tokens, num_seqs = self.executables.ladder.pick(scheduled.num_tokens, len(scheduled.requests))
-        mode = self.policy.choose(num_tokens, num_seqs)
         try:
+            num_tokens, num_seqs = self.executables.ladder.pick(scheduled.num_tokens, len(scheduled.requests))
+            mode = self.policy.choose(num_tokens, num_seqs)
             batch = exe.to_device(exe.pad_batch(scheduled.batch, num_tokens, num_seqs), self.weights)
             executable = self.executables.get(mode, num_tokens, num_seqs)
             out, self.caches = executable(params_for(self.weights, mode), self.caches, batch)
             result = exe.unpack_host(exe.packed_to_host(out.packed))
-        except Exception:
+        except Exception as error:
             self._recover_caches()
-            raise
+            raise StepFailed(scheduled.requests) from error
         switched = self._count(mode, scheduled.num_tokens)
         finished = self.scheduler.commit(scheduled, result.tokens, result.logprobs, mode,
                                          result.top_ids, result.top_logprobs)

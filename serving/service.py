@@ -1,0 +1,386 @@
+"""The engine as a service: requests in from any asyncio loop, deltas out, one engine thread.
+
+The engine runs in its own thread (DESIGN.md, "Engine and server"). ``submit`` validates a
+request at once on the caller's thread, puts it in an inbox and returns an async iterator;
+the engine thread takes the inbox, cancellations and expired deadlines *before* every
+schedule (so an aborted request's pages are free for the very next step), runs a step,
+turns its results into one :class:`Delta` per request (detokenized, stop strings applied)
+and hands each loop its deltas with one ``call_soon_threadsafe`` per step. The per-request
+``asyncio.Queue`` needs no bound: the engine adds at most one delta per step per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+from shiftjax.serving.detokenizer import IncrementalDetokenizer
+from shiftjax.serving.engine import Engine, StepFailed
+from shiftjax.serving.errors import InvalidRequest, Overloaded, RequestFailed, Unavailable
+from shiftjax.serving.protocol import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_STOP,
+    Delta,
+    GenerationRequest,
+    ServiceStats,
+    TokenLogprob,
+    Usage,
+)
+from shiftjax.serving.scheduler import Request
+from shiftjax.serving.service_info import service_info
+from shiftjax.serving.validation import validate_request
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class _Live:
+    """One submitted request as the service tracks it (the engine thread owns the fields
+    after ``queue``; the caller's loop only reads the queue)."""
+
+    request: GenerationRequest
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
+    submitted: float = dataclasses.field(default_factory=time.monotonic)
+    engine_request: Request | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    sent: int = 0  # output tokens already streamed
+    done: bool = False
+
+
+class AsyncEngineService:
+    """:class:`protocol.EngineService` over one :class:`Engine` driven by a thread.
+
+    ``engine`` is an engine, or a function that builds one: it is then called on the
+    engine thread, so a front end can answer health checks (not ready) while executables
+    compile. ``max_waiting`` bounds the requests not yet running (default: the engine's
+    ``max_queue``); ``observer``, an :class:`EngineObserver` (a Protocol, not checkable at
+    run time, hence unannotated), receives metrics hooks on the engine thread.
+    """
+
+    def __init__(self, engine: Engine | Callable[[], Engine], tokenizer, *, model_name: str = "default",
+                 observer=None, max_waiting: int | None = None,
+                 details: dict | None = None):
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.details = dict(details or {})  # extra JSON facts for info() (checkpoint path, ...)
+        self._observer = observer
+        self._max_waiting = max_waiting
+        self._engine_factory = engine if callable(engine) and not isinstance(engine, Engine) else None
+        self.engine: Engine | None = None if self._engine_factory else engine
+        self._wake = threading.Condition()
+        self._inbox: list[_Live] = []
+        self._cancels: list[str] = []
+        self._live: dict[str, _Live] = {}
+        self._by_request: dict[Request, _Live] = {}
+        self._ids = itertools.count()
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._draining = False
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="shiftjax-engine", daemon=True)
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | int | None = None) -> bool:
+        """Blocks until the engine is built; raises what building it raised."""
+        ready = self._ready.wait(timeout)
+        if self._startup_error is not None:
+            raise RuntimeError(f"the engine failed to start: {self._startup_error}") from self._startup_error
+        return ready
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self._startup_error is None
+
+    def submit(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        if self._draining or self._stopping:
+            raise Unavailable("the server is shutting down and takes no new requests")
+        if not self.ready:
+            raise Unavailable("the engine is still starting (compiling its executables); retry shortly")
+        validate_request(self.engine, request)
+        loop = asyncio.get_running_loop()
+        with self._wake:
+            waiting = len(self._inbox) + len(self.engine.scheduler.waiting)
+            limit = self._max_waiting or self.engine.config.max_queue
+            if waiting >= limit:
+                raise Overloaded(f"the waiting queue is full ({limit} requests); retry later")
+            request_id = request.request_id or f"req-{next(self._ids)}"
+            if request_id in self._live:
+                raise InvalidRequest("request_id", f"{request_id!r} is already in flight; use a unique id")
+            live = _Live(request, request_id, loop)
+            self._live[request_id] = live
+            self._inbox.append(live)
+            self._wake.notify()
+        return self._stream(live)
+
+    async def _stream(self, live: _Live):
+        ended = False
+        try:
+            while True:
+                item = await live.queue.get()
+                if isinstance(item, BaseException):
+                    ended = True
+                    raise item
+                if item.finish_reason is not None:
+                    ended = True
+                yield item
+                if ended:
+                    return
+        finally:
+            if not ended:  # closed early, or the consuming task was cancelled
+                self.cancel(live.request_id)
+
+    def cancel(self, request_id: str) -> bool:
+        with self._wake:
+            live = self._live.get(request_id)
+            if live is None or live.done:
+                return False
+            self._cancels.append(request_id)
+            self._wake.notify()
+            return True
+
+    def stats(self) -> ServiceStats:
+        engine = self.engine
+        if engine is None or not self.ready:
+            return ServiceStats(running=0, waiting=len(self._inbox), num_pages=0, free_pages=0, steps=0,
+                                switches=0, preemptions=0, tokens_by_mode={}, steps_by_mode={},
+                                ready=False, draining=self._draining)
+        scheduler = engine.scheduler
+        return ServiceStats(
+            running=len(scheduler.running), waiting=len(scheduler.waiting) + len(self._inbox),
+            num_pages=engine.num_pages - 1, free_pages=scheduler.allocator.num_free,
+            steps=engine.stats["steps"], switches=engine.stats["switches"],
+            preemptions=scheduler.num_preemptions, tokens_by_mode=dict(engine.stats["tokens_by_mode"]),
+            steps_by_mode=dict(engine.stats["steps_by_mode"]), ready=True, draining=self._draining)
+
+    def info(self) -> dict:
+        if not self.ready:
+            return {"model": self.model_name, "ready": False, **self.details}
+        return service_info(self.engine, self.model_name, self.stats()) | self.details
+
+    async def drain(self, grace_seconds: float | int) -> int:
+        """Takes no new requests (:class:`Unavailable`), lets running ones finish for up to
+        ``grace_seconds``, then aborts the rest; returns how many were aborted."""
+        self._draining = True
+        deadline = time.monotonic() + grace_seconds
+        while self._live and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        with self._wake:
+            left = [rid for rid, live in self._live.items() if not live.done]
+            self._cancels.extend(left)
+            self._wake.notify()
+        return len(left)
+
+    def shutdown(self, timeout: float | int | None = 30.0) -> None:
+        """Aborts whatever is in flight and stops the engine thread (idempotent)."""
+        self._draining = True
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        if self._engine_factory is not None:
+            try:
+                self.engine = self._engine_factory()
+            except BaseException as error:  # reported by wait_ready(); the thread ends
+                log.exception("engine start-up failed")
+                self._startup_error = error
+                self._ready.set()
+                return
+        self._ready.set()
+        if self._observer is not None:
+            executables = self.engine.executables
+            self._observer.on_startup(compile_seconds=executables.wall_seconds,
+                                      executables=len(executables.compiled), cache_hits=executables.cache_hits)
+        while True:
+            with self._wake:
+                while not (self._inbox or self._cancels or self._stopping or self.engine.scheduler.has_work):
+                    self._wake.wait(self._seconds_to_next_deadline())
+                    if self._expired():
+                        break
+                inbox, self._inbox = self._inbox, []
+                cancels, self._cancels = self._cancels, []
+                stopping = self._stopping
+            outgoing: dict[asyncio.AbstractEventLoop, list] = {}
+            try:
+                if stopping:
+                    for live in list(self._live.values()):
+                        self._end(live, FINISH_ABORT, outgoing)
+                else:
+                    self._take(inbox, cancels, outgoing)
+                    self._step(outgoing)
+            except Exception:  # a bug of ours: fail what is in flight, keep serving
+                log.exception("engine loop failed; failing the requests in flight")
+                for live in list(self._live.values()):
+                    self._fail(live, outgoing)
+            self._send(outgoing)
+            if stopping:
+                return
+
+    def _seconds_to_next_deadline(self) -> float | None:
+        deadlines = [live.request.deadline for live in self._live.values() if live.request.deadline is not None]
+        return None if not deadlines else max(min(deadlines) - time.monotonic(), 0.0) + 1e-3
+
+    def _expired(self) -> bool:
+        now = time.monotonic()
+        return any(live.request.deadline is not None and live.request.deadline <= now
+                   for live in self._live.values())
+
+    def _take(self, inbox: list[_Live], cancels: list[str], outgoing: dict) -> None:
+        """Admissions, then cancellations and expired deadlines, before the next schedule."""
+        for live in inbox:
+            if live.done:
+                continue
+            try:
+                params = live.request.params
+                live.engine_request = self.engine.add_request(list(live.request.prompt_ids), params)
+                live.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+                self._by_request[live.engine_request] = live
+            except Exception as error:  # validated already; a race with the queue bound
+                log.warning("request %s refused at admission: %s", live.request_id, error)
+                self._fail(live, outgoing, Overloaded(str(error)))
+        now = time.monotonic()
+        for live in list(self._live.values()):
+            if live.request.deadline is not None and live.request.deadline <= now:
+                self._end(live, FINISH_ABORT, outgoing)
+        for request_id in cancels:
+            live = self._live.get(request_id)
+            if live is not None:
+                self._end(live, FINISH_ABORT, outgoing)
+
+    def _step(self, outgoing: dict) -> None:
+        engine = self.engine
+        if not engine.scheduler.has_work:
+            return
+        try:
+            report = engine.run_step()
+        except StepFailed as failure:
+            log.exception("a step failed; failing its %d requests", len(failure.requests))
+            for request in failure.requests:
+                live = self._by_request.get(request)
+                if live is not None:
+                    self._fail(live, outgoing)
+            return
+        if report is None:
+            return
+        if self._observer is not None:
+            self._observer.on_step(mode=report.mode, num_tokens=report.num_tokens,
+                                   num_seqs=len(report.requests), seconds=report.seconds,
+                                   switched=report.switched)
+        now = time.monotonic()
+        finished = set(report.finished)
+        for request, sampled in zip(report.requests, report.sampled):
+            live = self._by_request.get(request)
+            if live is None or live.done:
+                continue
+            if live.first_scheduled is None:
+                live.first_scheduled = now
+            if not sampled:
+                continue
+            try:
+                self._emit(live, request, request in finished, now, outgoing)
+            except Exception:  # this request alone fails (say, its detokenizer)
+                log.exception("request %s failed", live.request_id)
+                self._fail(live, outgoing)
+
+    def _emit(self, live: _Live, request: Request, finished: bool, now: float, outgoing: dict) -> None:
+        new_ids = request.output_ids[live.sent:]
+        first = live.sent
+        live.sent = len(request.output_ids)
+        text = live.detokenizer.push(new_ids)
+        observer = self._observer
+        if observer is not None:
+            for i in range(len(new_ids)):
+                since = live.submitted if live.first_token is None and i == 0 else (live.last_token or now)
+                observer.on_token(first=live.first_token is None and i == 0, seconds_since_previous=now - since)
+        live.first_token = live.first_token or now
+        live.last_token = now
+        params = live.request.params
+        logprobs = ()
+        if params.logprobs:
+            tops = request.output_top_logprobs[first:] if params.top_logprobs else [()] * len(new_ids)
+            logprobs = tuple(TokenLogprob(t, lp, top) for t, lp, top in
+                             zip(new_ids, request.output_logprobs[first:], tops))
+        reason = stop_reason = None
+        if live.detokenizer.stopped is not None:
+            reason, stop_reason = FINISH_STOP, live.detokenizer.stopped
+        elif finished:
+            reason = request.finish_reason
+            stop_reason = new_ids[-1] if reason == FINISH_STOP else None
+            text += live.detokenizer.finish()
+        delta = Delta(live.request_id, tuple(new_ids), text, logprobs)
+        if reason is None:
+            self._queue(live, delta, outgoing)
+        else:
+            self._end(live, reason, outgoing, delta, stop_reason)
+
+    def _end(self, live: _Live, reason: str, outgoing: dict, delta: Delta | None = None,
+             stop_reason: int | str | None = None) -> None:
+        """Finishes a request: frees its pages now, streams the last delta with usage."""
+        request = self._forget(live, reason)
+        usage = self._usage(live, request)
+        delta = delta or Delta(live.request_id)
+        self._queue(live, Delta(delta.request_id, delta.token_ids, delta.text, delta.logprobs,
+                                finish_reason=reason, stop_reason=stop_reason, usage=usage), outgoing)
+        if self._observer is not None:
+            self._observer.on_finish(usage=usage, finish_reason=reason)
+
+    def _fail(self, live: _Live, outgoing: dict, error: Exception | None = None) -> None:
+        if live.done:
+            return
+        request = self._forget(live, FINISH_ERROR)
+        self._queue(live, error or RequestFailed(f"request {live.request_id} failed inside the engine; "
+                                                 f"see the server log"), outgoing)
+        if self._observer is not None:
+            self._observer.on_finish(usage=self._usage(live, request), finish_reason=FINISH_ERROR)
+
+    def _forget(self, live: _Live, reason: str) -> Request | None:
+        live.done = True
+        request = live.engine_request
+        if request is not None:
+            if not request.finished or request.pages:
+                self.engine.abort(request, reason)
+            self._by_request.pop(request, None)
+        with self._wake:
+            self._live.pop(live.request_id, None)
+        return request
+
+    def _usage(self, live: _Live, request: Request | None) -> Usage:
+        """Times from submit; ``ttft_seconds`` is 0.0 when no token came (and
+        ``queue_seconds`` the whole wait when the request never ran)."""
+        now = time.monotonic()
+        e2e = now - live.submitted
+        return Usage(
+            prompt_tokens=len(live.request.prompt_ids), output_tokens=live.sent,
+            queue_seconds=(live.first_scheduled or now) - live.submitted,
+            ttft_seconds=0.0 if live.first_token is None else live.first_token - live.submitted,
+            e2e_seconds=e2e, modes=tuple(request.modes) if request else (),
+            preemptions=request.preemptions if request else 0)
+
+    @staticmethod
+    def _queue(live: _Live, item, outgoing: dict) -> None:
+        outgoing.setdefault(live.loop, []).append((live.queue, item))
+
+    def _send(self, outgoing: dict) -> None:
+        for loop, items in outgoing.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening
+                log.warning("an event loop closed with %d deltas undelivered", len(items))
+
+
+def _deliver(items) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)

@@ -1,0 +1,278 @@
+"""The engine as a service on a tiny model over a 2 x 2 CPU mesh: streams equal offline
+greedy output, cancellation, deadlines and stop strings free pages at once, failures stay
+with their request, draining, and no compile after start-up."""
+
+import asyncio
+import json
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from shiftjax.config import ModelConfig
+from shiftjax.layouts.mesh import make_mesh
+from shiftjax.params import random_params
+from shiftjax.serving.engine import Engine, EngineConfig
+from shiftjax.serving.errors import InvalidRequest, Overloaded, RequestFailed, Unavailable
+from shiftjax.serving.executables import JaxCompileEvents
+from shiftjax.serving.protocol import GenerationRequest
+from shiftjax.serving.sampling_params import SamplingParams
+from shiftjax.serving.service import AsyncEngineService
+from shiftjax.weights import shard_params
+
+CONFIG = ModelConfig(architecture="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
+                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128,
+                     eos_token_ids=(2,))
+PROMPTS = [[5, 17, 33, 8, 90, 41, 7, 12, 3, 66, 71], [9, 4], [30, 31, 32, 33, 34, 35], [60] * 9]
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+class CharTokenizer:
+    """One distinct character per token id, so text and token positions line up."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(0x41 + i) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    weights = shard_params(random_params(CONFIG, seed=5, scale=0.3), CONFIG, make_mesh(2, 2))
+    config = EngineConfig(max_model_len=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                          token_buckets=(4, 16), seq_buckets=(4,), attention="reference", mode="auto",
+                          shift_threshold=8, num_pages=40, max_top_logprobs=5, max_queue=64)
+    return Engine(weights, config, eos_token_ids=CONFIG.eos_token_ids)
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    """Offline greedy outputs, computed on the engine before any service drives it."""
+    requests = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    engine.run_until_done(requests)
+    return [r.output_ids for r in requests]
+
+
+@pytest.fixture
+def service(engine, reference):
+    service = AsyncEngineService(engine, CharTokenizer(), model_name="tiny")
+    service.wait_ready(60)
+    yield service
+    service.shutdown()
+    assert engine.scheduler.allocator.num_free == engine.num_pages - 1, "pages leaked"
+
+
+async def collect(stream):
+    return [delta async for delta in stream]
+
+
+def request(prompt, **params):
+    return GenerationRequest(tuple(prompt), SamplingParams(**({"max_tokens": 12, "ignore_eos": True} | params)))
+
+
+def test_concurrent_streams_equal_offline_greedy_output(service, reference):
+    async def main():
+        streams = [service.submit(request(p)) for p in PROMPTS * 3]
+        return await asyncio.gather(*(collect(s) for s in streams))
+
+    with JaxCompileEvents() as probe:  # the counter does see a compile
+        jax.jit(lambda x: x * 3 + 1)(jnp.arange(7))
+    assert probe.backend_compiles >= 1
+    with JaxCompileEvents() as compiles:
+        results = asyncio.run(main())
+    for deltas, expected in zip(results, reference * 3):
+        ids = [t for d in deltas for t in d.token_ids]
+        assert ids == expected
+        assert "".join(d.text for d in deltas) == CharTokenizer().decode(expected)
+        last = deltas[-1]
+        assert last.finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
+        usage = last.usage
+        assert usage.output_tokens == 12 and usage.prompt_tokens > 0
+        assert 0 <= usage.queue_seconds <= usage.ttft_seconds <= usage.e2e_seconds
+        assert set(usage.modes) <= {"tp", "sp"} and len(usage.modes) >= 12
+    assert {m for deltas in results for m in deltas[-1].usage.modes} == {"tp", "sp"}
+    assert compiles.backend_compiles == 0  # serving never compiles
+    stats = service.stats()
+    assert stats.ready and stats.running == stats.waiting == 0 and stats.free_pages == stats.num_pages
+    assert stats.steps_by_mode["tp"] > 0 and stats.steps_by_mode["sp"] > 0
+
+
+def test_logprobs_and_top_alternatives(service, reference):
+    async def main():
+        return await collect(service.submit(request(PROMPTS[0], logprobs=True, top_logprobs=5)))
+
+    deltas = asyncio.run(main())
+    logprobs = [lp for d in deltas for lp in d.logprobs]
+    assert [lp.token_id for lp in logprobs] == reference[0]
+    for lp in logprobs:
+        assert len(lp.top) == 5 and lp.top[0][0] == lp.token_id  # greedy: the most likely
+        assert lp.top[0][1] == pytest.approx(lp.logprob, abs=1e-5)
+        values = [v for _, v in lp.top]
+        assert values == sorted(values, reverse=True) and all(v <= 0 for v in values)
+
+
+def test_stop_string_across_tokens_ends_the_stream(service, reference):
+    text = CharTokenizer().decode(reference[2])
+    stop = text[4:6]  # two tokens
+    expected = text[:text.find(stop)]
+
+    async def main():
+        return await collect(service.submit(request(PROMPTS[2], stop=(stop, "never"))))
+
+    deltas = asyncio.run(main())
+    assert "".join(d.text for d in deltas) == expected
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == stop
+    assert service.stats().free_pages == service.stats().num_pages
+
+
+def test_cancel_close_and_deadline_free_pages_at_once(service):
+    async def main():
+        long = dict(max_tokens=50, ignore_eos=True)
+        stream = service.submit(GenerationRequest((1, 2, 3), SamplingParams(**long), request_id="c"))
+        first = await stream.__anext__()
+        assert first.token_ids and service.cancel("c")
+        rest = await collect(stream)
+        assert rest[-1].finish_reason == "abort" and len(rest) <= 3
+        freed_on_abort = service.stats().free_pages == service.stats().num_pages
+        # closing the stream early aborts too
+        stream = service.submit(GenerationRequest((4, 5, 6), SamplingParams(**long)))
+        await stream.__anext__()
+        await stream.aclose()
+        for _ in range(200):
+            if service.stats().free_pages == service.stats().num_pages:
+                break
+            await asyncio.sleep(0.01)
+        freed_on_close = service.stats().free_pages == service.stats().num_pages
+        # so does a deadline
+        deadline = GenerationRequest((7, 8), SamplingParams(**long), deadline=time.monotonic() + 0.01)
+        deltas = await collect(service.submit(deadline))
+        return freed_on_abort, freed_on_close, deltas
+
+    freed_on_abort, freed_on_close, deltas = asyncio.run(main())
+    assert freed_on_abort and freed_on_close
+    assert deltas[-1].finish_reason == "abort" and deltas[-1].usage.output_tokens < 50
+    assert not service.cancel("c")  # no longer live
+
+
+@pytest.mark.parametrize("make,field", [
+    (lambda: GenerationRequest((), GREEDY), "prompt_ids"),
+    (lambda: GenerationRequest((1, 96), GREEDY), "prompt_ids"),
+    (lambda: GenerationRequest((1,) * 60, SamplingParams(max_tokens=10)), "max_tokens"),
+    (lambda: GenerationRequest((1,), SamplingParams(max_tokens=4, logprobs=True, top_logprobs=6)), "top_logprobs"),
+    (lambda: GenerationRequest((1,), SamplingParams(max_tokens=4, stop_token_ids=(500,))), "stop_token_ids"),
+])
+def test_bad_requests_name_the_field(service, make, field):
+    async def main():
+        with pytest.raises(InvalidRequest) as error:
+            service.submit(make())
+        assert error.value.field == field
+        return await collect(service.submit(request([1, 2], max_tokens=2)))  # still serving
+
+    assert asyncio.run(main())[-1].finish_reason == "length"
+
+
+class GateObserver:
+    """Holds the engine thread inside a step until released."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.stepped = threading.Event()
+        self.finished = []
+
+    def on_startup(self, **_): pass
+    def on_token(self, **_): pass
+    def on_preemption(self): pass
+
+    def on_step(self, **_):
+        self.stepped.set()
+        self.gate.wait(30)
+
+    def on_finish(self, *, usage, finish_reason):
+        self.finished.append(finish_reason)
+
+
+def test_a_full_queue_answers_overloaded(engine, reference):
+    observer = GateObserver()
+    service = AsyncEngineService(engine, CharTokenizer(), observer=observer, max_waiting=3)
+    try:
+        async def main():
+            streams = [service.submit(request(PROMPTS[0]))]
+            assert await asyncio.to_thread(observer.stepped.wait, 30)
+            streams += [service.submit(request(p)) for p in PROMPTS[1:]]
+            with pytest.raises(Overloaded):
+                service.submit(request(PROMPTS[0]))
+            observer.gate.set()
+            return await asyncio.gather(*(collect(s) for s in streams))
+
+        results = asyncio.run(main())
+        assert [[t for d in ds for t in d.token_ids] for ds in results] == reference
+        assert observer.finished == ["length"] * 4
+    finally:
+        observer.gate.set()
+        service.shutdown()
+
+
+def test_a_failing_request_fails_alone(service, reference, monkeypatch):
+    poison = next(t for t in reference[0] if t not in reference[1])
+    tokenizer = CharTokenizer()
+
+    def decode(ids, skip_special_tokens=True):
+        if poison in ids:
+            raise UnicodeError("a detokenizer bug")
+        return CharTokenizer().decode(ids)
+
+    monkeypatch.setattr(tokenizer, "decode", decode)
+    service.tokenizer = tokenizer
+
+    async def main():
+        bad, good = service.submit(request(PROMPTS[0])), service.submit(request(PROMPTS[1]))
+        return await asyncio.gather(collect(bad), collect(good), return_exceptions=True)
+
+    bad, good = asyncio.run(main())
+    assert isinstance(bad, RequestFailed)
+    assert [t for d in good for t in d.token_ids] == reference[1]
+
+
+def test_a_failing_step_fails_its_requests_and_serving_goes_on(service, engine, reference, monkeypatch):
+    real_get, calls = engine.executables.get, []
+
+    def get(*key):
+        calls.append(key)
+        if len(calls) == 2:
+            raise RuntimeError("an injected device error")
+        return real_get(*key)
+
+    monkeypatch.setattr(engine.executables, "get", get)
+
+    async def main():
+        failed = await asyncio.gather(collect(service.submit(request(PROMPTS[0]))), return_exceptions=True)
+        after = await collect(service.submit(request(PROMPTS[1])))
+        return failed[0], after
+
+    failed, after = asyncio.run(main())
+    assert isinstance(failed, RequestFailed)
+    assert [t for d in after for t in d.token_ids] == reference[1]
+
+
+def test_drain_refuses_new_requests_then_aborts_the_rest(service):
+    async def main():
+        stream = service.submit(request([1, 2, 3], max_tokens=50))
+        await stream.__anext__()
+        aborted = await service.drain(0.05)
+        with pytest.raises(Unavailable):
+            service.submit(request([1, 2]))
+        return aborted, await collect(stream)
+
+    aborted, rest = asyncio.run(main())
+    assert aborted == 1 and rest[-1].finish_reason == "abort"
+    assert service.stats().draining
+
+
+def test_info_is_json_and_says_what_runs(service):
+    info = json.loads(json.dumps(service.info()))
+    assert info["model"] == "tiny" and info["modes"] == ["tp", "sp"]
+    assert info["mesh"]["sp"] == 2 and info["mesh"]["tp"] == 2
+    assert info["buckets"] == {"tokens": [4, 16], "seqs": [4]}
+    assert info["page_pool"]["num_pages"] == 39 and info["page_pool"]["sized_by"] == "num_pages"
+    assert info["startup"]["executables"] == 4
+    assert info["model_config"]["vocab_size"] == 96
