@@ -26,3 +26,23 @@ def test_llama31_configs(name, hidden, intermediate, layers, heads):
     scaling = config.rope_scaling
     assert (scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor) == (8.0, 1.0, 4.0)
     assert scaling.original_max_position_embeddings == 8192
+
+
+COMPARE = CONFIGS / "compare"
+
+
+@pytest.mark.parametrize("prefix", ["cpu_default", "h200x2_llama8b"])
+def test_compare_files_read_and_plan(prefix, monkeypatch):
+    from shiftjax.serving.bench.compare import planned_runs, read_workloads
+    from shiftjax.serving.bench.server_process import read_deployments
+
+    deployments, meta = read_deployments(COMPARE / f"{prefix}_deployments.json")
+    assert meta["device"] and {d.name for d in deployments} == {"tp", "sp", "shift", "shift-threshold", "dp"}
+    assert all("{port}" in d.command and "{http_port}" in d.command for d in deployments)
+    specs = read_workloads([str(COMPARE / f"{prefix}_workloads.json")])
+    if not Path("/work/shared/traces/azure2023_code.csv").is_file():
+        pytest.skip("the shared traces are not here")
+    monkeypatch.chdir(CONFIGS.parents[1])  # trace paths are relative to the repository root
+    runs = planned_runs([s for s in specs if s.options.get("dataset") != "trace" or prefix == "cpu_default"],
+                        {"vocab_size": 1000})
+    assert runs and all(len(workload.requests) > 0 for *_, workload in runs)

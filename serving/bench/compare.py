@@ -21,6 +21,13 @@ from shiftjax.serving.bench.report import json_safe, write_json
 from shiftjax.serving.bench.server_process import ServerProcess, read_deployments
 
 CONFIG_FIELDS = {f.name for f in dataclasses.fields(serve_bench.ServeBenchConfig)} - {"server"}
+FLOAT_FIELDS = {f.name for f in dataclasses.fields(serve_bench.ServeBenchConfig) if str(f.type).startswith("float")}
+
+
+def _as_config_values(options: dict) -> dict:
+    """JSON's ``60`` for a float option becomes ``60.0``, and ``"inf"`` becomes infinity."""
+    return {k: float(v) if k in FLOAT_FIELDS and isinstance(v, (int, str)) and not isinstance(v, bool) else v
+            for k, v in options.items()}
 
 
 @dataclasses.dataclass
@@ -46,7 +53,7 @@ class WorkloadSpec:
                              if unknown else "a workload needs a name")
         if rates is not None:
             rates = [float(rate) for rate in rates]  # "inf" reads as infinity
-        return cls(name, item, rates, timeline)
+        return cls(name, _as_config_values(item), rates, timeline)
 
     def points(self) -> list[float | None]:
         return self.request_rates or [None]

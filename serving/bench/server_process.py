@@ -23,7 +23,8 @@ HEALTH_POLL_SECONDS = 0.5
 @dataclasses.dataclass
 class Deployment:
     """A server command line to benchmark. ``command`` may use ``{port}``, ``{http_port}``
-    (free loopback ports chosen at start) and ``{python}`` (this interpreter)."""
+    (free loopback ports chosen at start), ``{python}`` (this interpreter) and
+    ``{shiftjax}`` (the ``shiftjax`` script beside it, so no activated venv is needed)."""
 
     name: str
     command: list[str]
@@ -64,14 +65,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def shiftjax_script() -> str:
+    """The ``shiftjax`` console script of this interpreter's environment, else the name."""
+    beside = Path(sys.executable).parent / "shiftjax"
+    return str(beside) if beside.is_file() else "shiftjax"
+
+
 class ServerProcess:
     """A started deployment; ``grpc_address`` and ``http_address`` are on loopback."""
 
     def __init__(self, deployment: Deployment, log_path: Path):
         self.deployment = deployment
         self.port, self.http_port = free_port(), free_port()
-        self.command = [part.format(port=self.port, http_port=self.http_port, python=sys.executable)
-                        for part in deployment.command]
+        fields = {"port": self.port, "http_port": self.http_port, "python": sys.executable,
+                  "shiftjax": shiftjax_script()}
+        self.command = [part.format(**fields) for part in deployment.command]
         self.log_path = log_path
         self.process: subprocess.Popen | None = None
         self.startup_seconds: float | None = None
