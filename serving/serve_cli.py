@@ -72,8 +72,10 @@ def serve_main(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     tls, api_key = _read_secrets(parser, args)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    # Our own lines at INFO; libraries (absl via orbax logs every restore step) at WARNING.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    logging.getLogger("shiftjax").setLevel(logging.INFO)
     try:
         return asyncio.run(_serve(args, tls, api_key))
     except (OSError, RuntimeError) as error:  # a port in use; the engine failed to start
