@@ -91,8 +91,11 @@ def create_app(service, *, model_name: str, api_key: str | None = None,
     if metrics is not None:
         metrics.bind_stats(service.stats)
 
+    async def service_error(request, error: Exception):  # async: a sync handler would take a thread
+        return error_for(error)
+
     for error_class in (InvalidRequest, _Refused, Overloaded, Unavailable, RequestFailed, Exception):
-        app.add_exception_handler(error_class, lambda request, error: error_for(error))
+        app.add_exception_handler(error_class, service_error)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, error: HTTPException):

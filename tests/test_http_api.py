@@ -328,3 +328,15 @@ def test_token_bytes_of_a_byte_level_tokenizer():
     token_text = TokenText(tokenizer)
     assert any("\ufffd" in token_text.text(i) for i in ids)  # the case that needs the byte table
     assert b"".join(bytes(token_text.bytes(i)) for i in ids) == text.encode()
+
+
+def test_an_unexpected_error_is_a_500_in_the_openai_shape(service):
+    def broken(request):
+        raise RuntimeError("a bug")
+
+    service.submit = broken
+    with TestClient(create_app(service, model_name="m"), raise_server_exceptions=False) as client:
+        r = client.post("/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 500
+        assert r.json()["error"] == {"message": "internal error: RuntimeError", "type": "server_error",
+                                     "param": None, "code": None}
