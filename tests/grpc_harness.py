@@ -1,4 +1,5 @@
-"""A small, deterministic EngineService, and a gRPC server in a thread, for testing the front ends without a model.
+"""A deterministic fake EngineService and a gRPC server in a thread: the front ends
+tested without a model.
 
 Output token ``i`` of a prompt is ``(sum(prompt_ids) + i) % 1000 + 1000``, one token per
 step of ``step_seconds``; each live request holds its pages (prompt plus max_tokens, 16

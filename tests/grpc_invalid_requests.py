@@ -8,9 +8,13 @@ faults are common instead of every request being wrong in several ways at once.
 
 from __future__ import annotations
 
+import time
+
+import grpc
 from hypothesis import strategies as st
 
 from shiftjax.serving.client import generate_request
+from shiftjax.serving.proto.shiftjax.v1 import inference_pb2 as pb
 
 NAN, INF = float("nan"), float("inf")
 MISSING = object()  # the field is left out: the server's default
@@ -66,3 +70,26 @@ def generate_requests(draw, vocab_size: int, max_model_len: int):
         else:
             fields.update(draw(st.sampled_from(valid)))
     return generate_request(**fields), wrong
+
+
+def check_one_request(client, case, pages_all_free):
+    """A request the oracle finds wrong gets INVALID_ARGUMENT naming one of its wrong fields;
+    a right one streams to a finish; either way a good request succeeds right after, and
+    every page is free again."""
+    request, wrong = case
+    try:
+        responses = list(client.stub.Generate(request, timeout=60))
+    except grpc.RpcError as error:
+        assert wrong, f"a valid request was refused: {error.code()} {error.details()}"
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        assert error.details().split(":")[0] in wrong, (error.details(), wrong)
+    else:
+        assert not wrong, f"accepted a request wrong in {wrong}"
+        assert responses[-1].finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+        assert responses[-1].usage.output_tokens == sum(len(r.token_ids) for r in responses) <= request.max_tokens
+    assert client.complete(prompt_ids=[1, 2], max_tokens=1).finish_reason is not None
+    give_up = time.monotonic() + 5
+    while not pages_all_free():
+        assert time.monotonic() < give_up, "pages leaked"
+        time.sleep(0.01)
+    return "refused" if wrong else "valid"
