@@ -8,7 +8,7 @@ source "$(dirname "$0")/gpu_env.sh"
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on these shared hosts
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/env.txt"
 nvidia-smi topo -m >> "$OUT/env.txt" 2>&1
-for part in ${PARTS:-ceilings correct steps engine}; do
+for part in ${PARTS:-ceilings correct steps_mesh steps_1gpu engine}; do
   mkdir -p "$OUT/$part"
   timeout "${PART_TIMEOUT:-240}" python3 -P benchmarks/shift_x2.py --parts "$part" --out "$OUT/$part" \
     2>&1 | tee "$OUT/$part.log" | grep -v "^WARNING\|^I0000\|^W0000"

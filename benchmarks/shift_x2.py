@@ -192,51 +192,51 @@ def correctness(smoke: bool, attention: str) -> dict:
             "llama8b_argmax_equal": argmax_equal, "bf16_tolerance": 1e-2, "pass": all(same.values()) and rel < 1e-2}
 
 
-def step_table(smoke: bool, attention: str, profile: bool) -> dict:
+def big_config(smoke: bool):
+    """Llama-3.1-8B's shape at ``LAYERS`` layers (default all 32), or a tiny stand-in."""
     config = dataclasses.replace(LLAMA8B, num_layers=int(os.environ.get("LAYERS", "32")))
-    ctx, long_prompt, max_pages = 1024, 2048, 260
     if smoke:
         config = dataclasses.replace(config, num_layers=2, hidden_size=256, intermediate_size=512,
                                      num_heads=8, num_kv_heads=2, head_dim=32, vocab_size=1024)
-        ctx, long_prompt, max_pages = 64, 64, 8
+    return config
+
+
+def step_table(smoke: bool, attention: str, profile: bool, where: str) -> dict:
+    """``where == "mesh"``: TP and SP steps on both GPUs; ``"1gpu"``: one GPU with the DP
+    share of the same work (half the sequences, one of the two prompts)."""
+    config = big_config(smoke)
+    ctx, prompt, max_pages = (64, 64, 8) if smoke else (1024, 2048, 260)
     params = device_random_params(config, jnp.bfloat16)
-    out = {"layers": config.num_layers}
-    two = jax.devices()[:2]
-    mesh = make_mesh(2, 1, two)
+    num_pages = 64 * (ctx // PAGE + 1) + 2
+    if where == "mesh":
+        mesh = make_mesh(2, 1, jax.devices()[:2])
+        shapes = {("tp", "dec8"): decode_batch(8, ctx, max_pages), ("tp", "dec64"): decode_batch(64, ctx, max_pages),
+                  ("tp", "pre2x2048"): prefill_batch(2, prompt, max_pages),
+                  ("sp", "pre2x2048"): prefill_batch(2, prompt, max_pages),
+                  ("tp", "pre4096"): prefill_batch(1, 2 * prompt, 2 * max_pages),
+                  ("sp", "pre4096"): prefill_batch(1, 2 * prompt, 2 * max_pages)}
+    else:
+        mesh = make_mesh(1, 1, jax.devices()[:1])
+        shapes = {("tp", f"dec{n}"): decode_batch(n, ctx, max_pages) for n in (4, 8, 32, 64)}
+        shapes[("tp", "pre1x2048")] = prefill_batch(1, prompt, max_pages)
     weights = shard_params(params, config, mesh)
-    out["weight_bytes_per_device_mesh"] = weight_bytes_per_device(weights, mesh)
-    shapes = {("tp", "dec8"): decode_batch(8, ctx, max_pages), ("tp", "dec64"): decode_batch(64, ctx, max_pages),
-              ("tp", "pre2x2048"): prefill_batch(2, long_prompt, max_pages),
-              ("sp", "pre2x2048"): prefill_batch(2, long_prompt, max_pages),
-              ("tp", "pre4096"): prefill_batch(1, 2 * long_prompt, 2 * max_pages),
-              ("sp", "pre4096"): prefill_batch(1, 2 * long_prompt, 2 * max_pages)}
-    out["mesh_2x1"] = time_steps(weights, mesh, shapes, attention=attention, profile=profile,
-                                 num_pages=64 * (ctx // PAGE + 1) + 2)
-    del weights
-    one = make_mesh(1, 1, jax.devices()[:1])
-    weights = shard_params(params, config, one)
-    out["weight_bytes_per_device_1gpu"] = weight_bytes_per_device(weights, one)
-    shapes = {("tp", "dec4"): decode_batch(4, ctx, max_pages), ("tp", "dec8"): decode_batch(8, ctx, max_pages),
-              ("tp", "dec32"): decode_batch(32, ctx, max_pages), ("tp", "dec64"): decode_batch(64, ctx, max_pages),
-              ("tp", "pre1x2048"): prefill_batch(1, long_prompt, max_pages)}
-    out["one_gpu"] = time_steps(weights, one, shapes, attention=attention, profile=profile,
-                                num_pages=64 * (ctx // PAGE + 1) + 2)
+    del params
+    out = {"layers": config.num_layers, "weight_bytes_per_device": weight_bytes_per_device(weights, mesh)}
+    out.update(time_steps(weights, mesh, shapes, attention=attention, profile=profile, num_pages=num_pages))
     return out
 
 
 def engine_loop(smoke: bool, attention: str) -> dict:
     """Wall time per decode step in the engine's own loop (schedule, pad, place, run,
     fetch), pure TP over both GPUs (a (1, 2) mesh: one mode, so only TP executables)."""
-    config = dataclasses.replace(LLAMA8B, num_layers=int(os.environ.get("LAYERS", "32")))
-    prompt_len, decode_steps = 1000, 24
-    if smoke:
-        config = dataclasses.replace(config, num_layers=2, hidden_size=256, intermediate_size=512,
-                                     num_heads=8, num_kv_heads=2, head_dim=32, vocab_size=1024)
-        prompt_len, decode_steps = 40, 4
+    config = big_config(smoke)
+    prompt_len, decode_steps = (40, 4) if smoke else (1000, 24)
     weights = shard_params(device_random_params(config, jnp.bfloat16), config, make_mesh(1, 2, jax.devices()[:2]))
     out = {}
     for seqs in (8, 64):
-        engine = Engine(weights, EngineConfig(max_model_len=prompt_len + decode_steps + 8, max_num_seqs=seqs,
+        max_model_len = prompt_len + decode_steps + 8
+        engine = Engine(weights, EngineConfig(max_model_len=max_model_len, max_num_seqs=seqs,
+                                              num_pages=seqs * -(-max_model_len // PAGE) + 1,
                                               max_num_batched_tokens=64, token_buckets=(64,),
                                               seq_buckets=(seqs,), mode="tp", attention=attention,
                                               layer_loop="unrolled"))
@@ -258,18 +258,18 @@ def engine_loop(smoke: bool, attention: str) -> dict:
 
 def summarise(results: dict) -> dict:
     """The issue's ratios from this run's own ceilings."""
-    if "ceilings" not in results or "steps" not in results:
+    if not all(isinstance(results.get(p), dict) and "error" not in results[p]
+               for p in ("ceilings", "steps_mesh", "steps_1gpu")):
         return {}
     read = min(c["read_Bps"] for c in results["ceilings"].values())  # the slower GPU bounds a mesh
-    steps = results["steps"]
-    floor_mesh = max(steps["weight_bytes_per_device_mesh"]) / read
-    floor_one = max(steps["weight_bytes_per_device_1gpu"]) / read
-    mesh, one = steps["mesh_2x1"], steps["one_gpu"]
+    mesh, one = results["steps_mesh"], results["steps_1gpu"]
+    floor_mesh = max(mesh["weight_bytes_per_device"]) / read
+    floor_one = max(one["weight_bytes_per_device"]) / read
     s = {"read_TBps": read / 1e12, "tp_weight_floor_ms_2gpu": floor_mesh * 1e3, "weight_floor_ms_1gpu": floor_one * 1e3}
     for n in (8, 64):
         s[f"tp_dec{n}_floor_ratio"] = floor_mesh * 1e3 / mesh[f"tp:dec{n}"]["wall_ms"]
         s[f"1gpu_dec{n}_floor_ratio"] = floor_one * 1e3 / one[f"tp:dec{n}"]["wall_ms"]
-        if "engine" in results:
+        if "dec8" in results.get("engine", {}):
             s[f"engine_tp_dec{n}_floor_ratio"] = floor_mesh * 1e3 / results["engine"][f"dec{n}"]["wall_ms_median"]
     s["tp_dec8_vs_1gpu_dec4_speedup"] = one["tp:dec4"]["wall_ms"] / mesh["tp:dec8"]["wall_ms"]
     # Equal work: the mesh prefills two prompts in one step; DP gives each GPU one.
@@ -285,7 +285,9 @@ def summarise(results: dict) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on 4 virtual CPU devices")
-    parser.add_argument("--parts", default="ceilings,correct,steps,engine")
+    parser.add_argument("--parts", default="ceilings,correct,steps_mesh,steps_1gpu,engine")
+    parser.add_argument("--merge", nargs="*", default=[], metavar="JSON",
+                        help="earlier parts' JSON files to summarise together with this run")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     if args.smoke:
@@ -295,9 +297,13 @@ def main() -> int:
     profile = not args.smoke
     RESULTS.update(device=f"{jax.device_count()}x {jax.devices()[0].device_kind}", jax=jax.__version__,
                    commit=os.environ.get("COMMIT", "unknown"))
-    parts = args.parts.split(",")
+    parts = [p for p in args.parts.split(",") if p]
+    for path in args.merge:
+        with open(path) as f:
+            RESULTS.update({k: v for k, v in json.load(f).items() if k not in RESULTS})
     runners = {"ceilings": lambda: ceilings(args.smoke), "correct": lambda: correctness(args.smoke, attention),
-               "steps": lambda: step_table(args.smoke, attention, profile),
+               "steps_mesh": lambda: step_table(args.smoke, attention, profile, "mesh"),
+               "steps_1gpu": lambda: step_table(args.smoke, attention, profile, "1gpu"),
                "engine": lambda: engine_loop(args.smoke, attention)}
     for part in parts:
         start = time.perf_counter()
