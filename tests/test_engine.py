@@ -1,11 +1,19 @@
-"""The engine: scheduling, buckets, shift policy, sampling and bad input, on a tiny model."""
+"""The engine: scheduling, buckets, shift policy, sampling and bad input, on a tiny model.
+
+Engines are built once per set of options (``engines``) and shared by the tests of this
+module: every test leaves its engine with nothing queued or running. Log-probabilities are
+checked against transformers on the same weights (``test_parallel.transformers_model``).
+"""
 
 import numpy as np
 import pytest
+import torch
+from test_parallel import transformers_model
 
 from shiftjax.config import ModelConfig
 from shiftjax.layouts.mesh import make_mesh
 from shiftjax.params import random_params
+from shiftjax.serving import scheduler as scheduler_module
 from shiftjax.serving.allocator import PageAllocator
 from shiftjax.serving.engine import Engine, EngineConfig
 from shiftjax.serving.executables import BucketLadder, NoBucket
@@ -20,8 +28,27 @@ PROMPTS = [[5, 17, 33, 8, 90, 41, 7, 12, 3, 66, 71], [9, 4], [30, 31, 32, 33, 34
 
 
 @pytest.fixture(scope="module")
-def weights():
-    return shard_params(random_params(CONFIG, seed=5, scale=0.3), CONFIG, make_mesh(2, 2))
+def params():
+    return random_params(CONFIG, seed=5, scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def weights(params):
+    return shard_params(params, CONFIG, make_mesh(2, 2))
+
+
+@pytest.fixture(scope="module")
+def engines(weights):
+    """``engines(**options)``: the module's engine for these options, built on first use."""
+    built = {}
+
+    def get(**options):
+        key = tuple(sorted(options.items()))
+        if key not in built:
+            built[key] = engine_for(weights, **options)
+        return built[key]
+
+    return get
 
 
 def engine_for(weights, **options):
@@ -37,16 +64,56 @@ def generate(engine, prompts, params):
 
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, top_k=40, seed=11, ignore_eos=True)
+# Preemption: 9 usable pages of 4 tokens cannot hold all three sequences at their full
+# length (21 + 12 + 16 tokens): the scheduler must preempt and recompute.
+TIGHT = dict(num_pages=10, max_num_batched_tokens=4)
 
 
 @pytest.fixture(scope="module")
-def tp_outputs(weights):
-    return [r.output_ids for r in generate(engine_for(weights, mode="tp"), PROMPTS, GREEDY)]
+def tp_requests(engines):
+    return generate(engines(mode="tp"), PROMPTS, GREEDY)
+
+
+@pytest.fixture(scope="module")
+def tp_outputs(tp_requests):
+    return [r.output_ids for r in tp_requests]
+
+
+@pytest.fixture(scope="module")
+def sampled_requests(engines):
+    return generate(engines(mode="tp"), PROMPTS, SAMPLED)
+
+
+def transformers_logprobs(model, request) -> np.ndarray:
+    """log-softmax of transformers' logits at every position that produced an output token:
+    ``[output tokens, vocab]``."""
+    tokens = request.prompt_ids + request.output_ids[:-1]
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0, len(request.prompt_ids) - 1:]
+    return torch.log_softmax(logits.double(), dim=-1).numpy()
+
+
+def test_logprobs_are_the_models(params, tp_requests, sampled_requests):
+    model = transformers_model(params, CONFIG)
+    tempered_gap = []
+    for request in tp_requests + sampled_requests:
+        expected = transformers_logprobs(model, request)
+        chosen = expected[np.arange(len(request.output_ids)), request.output_ids]
+        np.testing.assert_allclose(request.output_logprobs, chosen, atol=2e-4, rtol=0,
+                                   err_msg=f"request {request.request_id}, {request.params}")
+        if request.params.temperature == 0:  # greedy picked transformers' most likely token
+            assert request.output_ids == expected.argmax(-1).tolist()
+        else:  # what a sampler reporting the tempered distribution would have said instead
+            tempered = torch.log_softmax(torch.tensor(expected) / request.params.temperature, -1).numpy()
+            tempered_gap.append(np.abs(tempered[np.arange(len(chosen)), request.output_ids] - chosen).max())
+    # The tolerance above is tight enough to reject logprobs of the tempered distribution.
+    assert min(tempered_gap) > 100 * 2e-4, tempered_gap
 
 
 @pytest.mark.parametrize("mode", ["sp", "alternate", "auto"])
-def test_every_mode_gives_the_same_greedy_tokens(weights, tp_outputs, mode):
-    engine = engine_for(weights, mode=mode)
+def test_every_mode_gives_the_same_greedy_tokens(engines, tp_outputs, mode):
+    engine = engines(mode=mode)
     requests = generate(engine, PROMPTS, GREEDY)
     assert [r.output_ids for r in requests] == tp_outputs
     assert all(len(r.output_ids) == 10 for r in requests)
@@ -59,17 +126,39 @@ def test_every_mode_gives_the_same_greedy_tokens(weights, tp_outputs, mode):
         assert set(engine.executables.run_seconds) == set(engine.executables.compiled)
 
 
-def test_chunked_prefill_and_preemption_do_not_change_tokens(weights, tp_outputs):
-    # 9 usable pages of 4 tokens cannot hold all three sequences at their full length
-    # (21 + 12 + 16 tokens): the scheduler must preempt and recompute.
-    engine = engine_for(weights, mode="tp", num_pages=10, max_num_batched_tokens=4)
-    requests = generate(engine, PROMPTS, GREEDY)
-    assert [r.output_ids for r in requests] == tp_outputs
-    assert engine.scheduler.allocator.num_free == 9  # everything given back
+@pytest.fixture
+def preemptions(monkeypatch):
+    """Preemptions counted from outside the scheduler (``Scheduler._preempt`` wrapped), to
+    check the scheduler's own ``num_preemptions``: ``[(request_id, ...)]``."""
+    seen = []
+    preempt = scheduler_module.Scheduler._preempt
+
+    def counting(self, request):
+        seen.append(request.request_id)
+        return preempt(self, request)
+
+    monkeypatch.setattr(scheduler_module.Scheduler, "_preempt", counting)
+    return seen
 
 
-def test_sampling_is_reproducible_and_independent_of_the_batch(weights):
-    engine = engine_for(weights, mode="tp")
+@pytest.mark.parametrize("mode", ["tp", "sp", "alternate"])
+def test_chunked_prefill_and_preemption_do_not_change_tokens(engines, tp_outputs, sampled_requests, preemptions, mode):
+    engine = engines(mode=mode, **TIGHT)
+    # Sampled tokens too: a row's key derives from its seed and position, so recomputing
+    # after a preemption draws the same tokens.
+    for params, expected in ((GREEDY, tp_outputs), (SAMPLED, [r.output_ids for r in sampled_requests])):
+        before, counted = len(preemptions), engine.scheduler.num_preemptions
+        requests = generate(engine, PROMPTS, params)
+        assert len(preemptions) > before, f"{mode}, {params}: nothing was preempted"
+        assert engine.scheduler.num_preemptions - counted == len(preemptions) - before
+        assert sum(r.preemptions for r in requests) == len(preemptions) - before
+        assert [r.output_ids for r in requests] == expected, f"{mode}, {params}"
+        assert engine.scheduler.allocator.num_free == 9  # everything given back
+        assert set(m for r in requests for m in r.modes) == ({"tp", "sp"} if mode == "alternate" else {mode})
+
+
+def test_sampling_is_reproducible_and_independent_of_the_batch(engines):
+    engine = engines(mode="tp")
     params = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, top_k=20, seed=11, ignore_eos=True)
     together = generate(engine, PROMPTS, params)
     alone = generate(engine, [PROMPTS[1]], params)
@@ -79,25 +168,28 @@ def test_sampling_is_reproducible_and_independent_of_the_batch(weights):
     assert all(lp <= 0 for lp in together[0].output_logprobs)
 
 
-def test_top_k_one_is_greedy(weights, tp_outputs):
-    engine = engine_for(weights, mode="tp")
+def test_top_k_one_is_greedy(engines, tp_outputs):
+    engine = engines(mode="tp")
     params = SamplingParams(max_tokens=10, temperature=1.5, top_k=1, seed=3, ignore_eos=True)
     assert [r.output_ids for r in generate(engine, PROMPTS, params)] == tp_outputs
 
 
-def test_stop_tokens_end_a_request(weights, tp_outputs):
-    engine = engine_for(weights, mode="tp")
+def test_stop_tokens_end_a_request(engines, tp_outputs):
+    engine = engines(mode="tp")
     stop = tp_outputs[0][3]
     first = tp_outputs[0].index(stop)
     [request] = generate(engine, [PROMPTS[0]], SamplingParams(max_tokens=10, stop_token_ids=(stop,)))
     assert request.finish_reason == "stop" and request.output_ids == tp_outputs[0][:first + 1]
-    engine.eos_token_ids = (stop,)  # the model's own EOS ends it the same way
-    [request] = generate(engine, [PROMPTS[0]], SamplingParams(max_tokens=10))
+    eos, engine.eos_token_ids = engine.eos_token_ids, (stop,)  # the model's own EOS ends it the same way
+    try:
+        [request] = generate(engine, [PROMPTS[0]], SamplingParams(max_tokens=10))
+    finally:
+        engine.eos_token_ids = eos
     assert request.finish_reason == "stop" and request.output_ids == tp_outputs[0][:first + 1]
 
 
-def test_bad_input_is_rejected_and_loses_nothing(weights):
-    engine = engine_for(weights, mode="tp")
+def test_bad_input_is_rejected_and_loses_nothing(engines):
+    engine = engines(mode="tp")
     with pytest.raises(ValueError, match="max_model_len"):
         engine.add_request(list(range(60)), SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match="outside the vocabulary"):
@@ -125,6 +217,31 @@ def test_bucket_ladder():
         ladder.pick(129, 1)
     with pytest.raises(ValueError, match="strictly increasing"):
         BucketLadder((16, 8), (1,))
+
+
+def no_bucket_in(error):
+    """The :class:`NoBucket` that ``error`` is or was raised from, else None."""
+    while error is not None and not isinstance(error, NoBucket):
+        error = error.__cause__
+    return error
+
+
+def test_engine_raises_no_bucket_for_a_step_no_bucket_fits(engines):
+    # Token bucket 2 takes one sequence (sequence bucket 1); two sequences need sequence
+    # bucket 4, which no 2-token executable has. The first step prefills [9, 4]; the second
+    # holds its decode and the first token of [30, ...]: 2 tokens from 2 sequences.
+    engine = engines(mode="tp", token_buckets=(2,), seq_buckets=(1, 4), max_num_batched_tokens=2)
+    assert set(engine.executables.compiled) == {("tp", 2, 1), ("sp", 2, 1)}
+    requests = [engine.add_request(p, GREEDY) for p in PROMPTS[1:]]
+    engine.step()
+    with pytest.raises(Exception) as raised:
+        engine.step()
+    error = no_bucket_in(raised.value)
+    assert error is not None, f"expected NoBucket, got {raised.value!r}"
+    assert "2 tokens and 2 sequences" in str(error)
+    for request in requests:
+        engine.abort(request)
+    assert not engine.scheduler.has_work
 
 
 def test_sp_buckets_must_divide(weights):
