@@ -109,8 +109,10 @@ def weight_bytes_per_device(weights, mesh) -> list[int]:
                 if s.device == d) for d in mesh.devices.flat]
 
 
-def time_steps(weights, mesh, shapes: dict, *, attention: str, profile: bool, num_pages: int) -> dict:
-    """Wall (median, synchronised) and device span of each (mode, shape) step."""
+def time_steps(weights, mesh, shapes: dict, *, attention: str, profile: bool, num_pages: int,
+               compiler_options: dict | None = None) -> dict:
+    """Wall (median, synchronised) and device span of each (mode, shape) step, compiled
+    with XLA ``compiler_options`` (debug options by name) when given."""
     config = weights.config
     caches = allocate_cache(mesh, config.num_layers, weights.layout.kv_slots, config.head_dim,
                             CacheConfig(num_pages, PAGE, str(weights.tp.embed.dtype)))
@@ -124,7 +126,7 @@ def time_steps(weights, mesh, shapes: dict, *, attention: str, profile: bool, nu
     # Concurrently, as the engine compiles (on one GPU they overlap; on a mesh the autotuner
     # serialised them in the before-run).
     with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
-        compiled = dict(zip(lowered, pool.map(lambda key: lowered[key][0].compile(), lowered)))
+        compiled = dict(zip(lowered, pool.map(lambda key: lowered[key][0].compile(compiler_options), lowered)))
     compile_s = time.perf_counter() - start
     log(f"  {dict(mesh.shape)}: {len(compiled)} executables compiled concurrently in {compile_s:.1f} s")
     out = {"compile_s_all": compile_s}
@@ -226,6 +228,27 @@ def step_table(smoke: bool, attention: str, profile: bool, where: str) -> dict:
     return out
 
 
+def allreduce_variants(smoke: bool, attention: str, profile: bool) -> dict:
+    """TP decode on both GPUs with NCCL's all-reduce against XLA's one-shot all-reduce
+    kernel (peer-memory loads, no multicast), which should cut the latency of the 65 small
+    all-reduces a 32-layer step makes."""
+    config = big_config(smoke)
+    ctx, prompt, max_pages = (64, 64, 8) if smoke else (1024, 2048, 260)
+    mesh = make_mesh(2, 1, jax.devices()[:2])
+    weights = shard_params(device_random_params(config, jnp.bfloat16), config, mesh)
+    shapes = {("tp", "dec8"): decode_batch(8, ctx, max_pages), ("tp", "dec64"): decode_batch(64, ctx, max_pages),
+              ("sp", "pre2x2048"): prefill_batch(2, prompt, max_pages)}
+    variants = {"nccl": None, "one_shot": {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True}}
+    out = {}
+    for name, options in variants.items():
+        if smoke and options:
+            continue  # a GPU-only option
+        log(f"  variant {name}")
+        out[name] = time_steps(weights, mesh, shapes, attention=attention, profile=profile,
+                               num_pages=64 * (ctx // PAGE + 1) + 2, compiler_options=options)
+    return out
+
+
 def engine_loop(smoke: bool, attention: str) -> dict:
     """Wall time per decode step in the engine's own loop (schedule, pad, place, run,
     fetch), pure TP over both GPUs (a (1, 2) mesh: one mode, so only TP executables)."""
@@ -304,6 +327,7 @@ def main() -> int:
     runners = {"ceilings": lambda: ceilings(args.smoke), "correct": lambda: correctness(args.smoke, attention),
                "steps_mesh": lambda: step_table(args.smoke, attention, profile, "mesh"),
                "steps_1gpu": lambda: step_table(args.smoke, attention, profile, "1gpu"),
+               "allreduce": lambda: allreduce_variants(args.smoke, attention, profile),
                "engine": lambda: engine_loop(args.smoke, attention)}
     for part in parts:
         start = time.perf_counter()
