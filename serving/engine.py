@@ -142,8 +142,12 @@ class Engine:
         def progress(done, total, elapsed):
             report(f"compiled {done} of {total} executables, {elapsed:.1f} s")
 
+        report(f"compiling {len(ladder.pairs()) * len(self.modes)} executables (modes {', '.join(self.modes)}; "
+               f"token buckets {ladder.token_buckets}, sequence buckets {ladder.seq_buckets})")
         self.executables = exe.compile_all(weights, self.caches, ladder, self.modes, progress=progress,
                                            **compile_options)
+        report(f"{len(self.executables.compiled)} executables ready in {self.executables.wall_seconds:.1f} s, "
+               f"{self.executables.cache_hits} loaded from the compilation cache")
         if config.mode == "auto" and len(self.modes) > 1 and config.shift_threshold is None:
             self.caches = exe.time_executables(self.executables, weights, self.caches, max_pages)
         self.policy = ShiftPolicy(config.mode, self.modes, self.executables.run_seconds,

@@ -5,15 +5,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jax.sharding import NamedSharding
+from pathlib import Path
 
 from shiftjax.checkpoints.default_model import default_model_path
-from shiftjax.checkpoints.load import load_checkpoint, load_tokenizer
+from shiftjax.checkpoints.load import load_tokenizer, load_weights, tokenizer_path_for
 from shiftjax.layouts.mesh import make_mesh
-from shiftjax.layouts.specs import REPLICATED
+from shiftjax.serving.detokenizer import IncrementalDetokenizer
 from shiftjax.serving.engine import Engine, EngineConfig
 from shiftjax.serving.sampling_params import SamplingParams
-from shiftjax.weights import shard_params
+from shiftjax.serving.scheduler import Request
 
 
 @dataclasses.dataclass
@@ -24,6 +24,7 @@ class Completion:
     finish_reason: str
     logprobs: list[float]
     modes: list[str]  # the mode of every step this request took part in
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -33,24 +34,24 @@ class LLM:
     """A model loaded onto an ``sp x tp`` mesh with its steps compiled, ready to generate.
 
     ``model`` is a shiftjax checkpoint directory or ``"default"`` (SmolLM2-135M-Instruct,
-    prepared on first use). Engine options (``max_model_len``, ``mode``, buckets...) are the
-    fields of :class:`EngineConfig`.
+    prepared on first use); with ``load_format="dummy"``, a Hugging Face ``config.json``
+    whose shape gets random weights (``tokenizer``: a directory with ``tokenizer.json``,
+    default the default model's). Engine options (``max_model_len``, ``mode``, buckets,
+    ``num_pages``...) are the fields of :class:`EngineConfig`; ``report(message)`` receives
+    start-up progress (page pool, compiles).
     """
 
     def __init__(self, model: str = "default", *, sp: int = 1, tp: int = 1, dtype: str = "float32",
-                 weight_storage: str = "aliased", devices=None, **engine_options):
-        path = default_model_path() if model == "default" else model
-        self.path = path
+                 weight_storage: str = "aliased", devices=None, load_format: str = "orbax",
+                 tokenizer: str | None = None, report=None, **engine_options):
+        self.path = default_model_path() if model == "default" else Path(model)
         self.mesh = make_mesh(sp, tp, devices)
-        # Canonical weights land replicated on the mesh and are expanded there into blocks;
-        # multi-process meshes need global arrays, which a restore with shardings gives.
-        replicated = NamedSharding(self.mesh, REPLICATED)
-        self.config, params = load_checkpoint(path, dtype=dtype, shardings=replicated)
-        self.weights = shard_params(params, self.config, self.mesh, weight_storage)
-        del params
-        self.tokenizer = load_tokenizer(path)
+        # Each device restores only the blocks it holds (checkpoints.load.restore_weights).
+        self.config, self.weights = load_weights(model, mesh=self.mesh, dtype=dtype, weight_storage=weight_storage,
+                                                 load_format=load_format)
+        self.tokenizer = load_tokenizer(tokenizer_path_for(model, load_format, tokenizer))
         eos = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.config.eos_token_ids))
-        self.engine = Engine(self.weights, EngineConfig(**engine_options), eos_token_ids=eos)
+        self.engine = Engine(self.weights, EngineConfig(**engine_options), eos_token_ids=eos, report=report)
 
     @property
     def compile_seconds(self) -> float:
@@ -82,11 +83,40 @@ class LLM:
             for request in requests:
                 self.engine.scheduler.abort(request)
             raise
-        self.engine.run_until_done(requests)
+        texts = self._run(requests)
         return [
-            Completion(prompt_ids=r.prompt_ids, output_ids=r.output_ids,
-                       text=self.tokenizer.decode(r.output_ids), finish_reason=r.finish_reason,
-                       logprobs=r.output_logprobs, modes=r.modes)
+            Completion(prompt_ids=r.prompt_ids, output_ids=r.output_ids, text=texts[r][0],
+                       finish_reason=r.finish_reason, logprobs=r.output_logprobs, modes=r.modes,
+                       stop_reason=texts[r][1])
             for r in requests
         ]
+
+    def _run(self, requests: list[Request]) -> dict[Request, tuple[str, int | str | None]]:
+        """Steps until every request is done; stop strings end a request (and free its
+        pages) in the step whose text completes them. Returns each one's text and stop reason."""
+        watched = {r: (IncrementalDetokenizer(self.tokenizer, r.params.stop), []) for r in requests if r.params.stop}
+        while not all(r.finished for r in requests):
+            if not self.engine.scheduler.has_work:
+                raise RuntimeError("requests are unfinished but the scheduler holds none")
+            report = self.engine.run_step()
+            for request, sampled in zip(report.requests if report else (), report.sampled if report else ()):
+                if not sampled or request not in watched:
+                    continue
+                detokenizer, pieces = watched[request]
+                pieces.append(detokenizer.push(request.output_ids[len(detokenizer.ids):]))
+                if detokenizer.stopped is not None:
+                    if request.finished:  # by length in the same step: the stop string wins
+                        request.finish_reason = "stop"
+                    else:
+                        self.engine.abort(request, "stop")
+        texts = {}
+        for r in requests:
+            stop_token = r.output_ids[-1] if r.finish_reason == "stop" and r.output_ids else None
+            if r in watched:
+                detokenizer, pieces = watched[r]
+                text = "".join(pieces) + detokenizer.finish()
+                texts[r] = (text, detokenizer.stopped if detokenizer.stopped is not None else stop_token)
+            else:
+                texts[r] = (self.tokenizer.decode(r.output_ids), stop_token)
+        return texts
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -46,3 +47,36 @@ def test_bad_input_is_one_clear_sentence(args, message):
     result = shiftjax("generate", "--cpu-devices", "1", *args)
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def compile_report(stderr: str) -> tuple[int, int]:
+    """(executables, loaded from the compilation cache) from the start-up line on stderr."""
+    match = re.search(r"(\d+) executables ready in [\d.]+ s, (\d+) loaded from the compilation cache", stderr)
+    assert match, stderr[-3000:]
+    return int(match[1]), int(match[2])
+
+
+def test_a_second_start_loads_every_executable_from_the_compilation_cache(tmp_path):
+    args = [*SMALL, *PROMPTS, "--cpu-devices", "1", "--compilation-cache", str(tmp_path / "xla"),
+            "--num-pages", "12"]
+    first = shiftjax("generate", *args)
+    assert compile_report(first.stderr) == (2, 0)  # two token buckets, one mode, cold cache
+    assert "compiled 2 of 2 executables" in first.stderr
+    assert "KV cache: 12 pages (--num-pages)" in first.stderr
+    texts = [c["text"] for c in completions(first)]
+    stop = texts[0][3:6]
+    second = shiftjax("generate", *args, "--stop", stop)
+    assert compile_report(second.stderr) == (2, 2)  # every one from the cache
+    for before, after in zip(completions(first), completions(second)):
+        cut = before["text"].find(stop)
+        assert after["text"] == (before["text"] if cut < 0 else before["text"][:cut])
+        assert after["output_ids"] == before["output_ids"][:len(after["output_ids"])]
+    assert completions(second)[0]["finish_reason"] == "stop"
+    assert completions(second)[0]["stop_reason"] == stop
+
+
+def test_no_compilation_cache_compiles_everything():
+    result = shiftjax("generate", *SMALL, *PROMPTS[:2], "--cpu-devices", "1", "--no-compilation-cache")
+    assert compile_report(result.stderr) == (2, 0)
+    assert "report no memory statistics" in result.stderr  # the CPU's page-pool fallback, said so
+    assert len(completions(result)) == 1

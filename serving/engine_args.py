@@ -1,0 +1,145 @@
+"""The engine options ``shiftjax generate`` and ``shiftjax serve`` share, and what builds
+an engine, an offline :class:`LLM` or an :class:`AsyncEngineService` from them.
+
+JAX is configured here, from arguments, before anything compiles: the platform (virtual
+CPU devices), a multi-process mesh, and the persistent compilation cache (through
+``jax.config``, not environment variables). The page pool is reported on stderr at start,
+and so is compile progress.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from shiftjax.serving.policy import POLICIES
+
+LOAD_FORMATS = ("orbax", "dummy")
+
+
+def default_compilation_cache_dir() -> Path:
+    """``<repo>/.cache/shiftjax/xla`` when shiftjax runs from its source tree, else the same
+    path under the current directory (as the default model's cache)."""
+    repo = Path(__file__).resolve().parents[1]
+    root = repo if (repo / "pyproject.toml").is_file() else Path.cwd()
+    return root / ".cache" / "shiftjax" / "xla"
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the model, mesh, engine, page-pool and start-up options."""
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default="default",
+                       help="a shiftjax checkpoint dir, or 'default'; with --load-format dummy, a HF config.json")
+    model.add_argument("--load-format", choices=LOAD_FORMATS, default="orbax",
+                       help="orbax: restore the checkpoint; dummy: random weights of the model's shape")
+    model.add_argument("--tokenizer", default=None,
+                       help="a directory with tokenizer.json (default: the checkpoint's, or the default model's)")
+    model.add_argument("--dtype", choices=("bfloat16", "float32"), default="float32")
+    model.add_argument("--weight-storage", choices=("aliased", "two_copies"), default="aliased")
+    mesh = parser.add_argument_group("mesh")
+    mesh.add_argument("--sp", type=int, default=1)
+    mesh.add_argument("--tp", type=int, default=1)
+    mesh.add_argument("--cpu-devices", type=int, default=None,
+                      help="run on N virtual CPU devices (try meshes without GPUs)")
+    mesh.add_argument("--coordinator", default=None,
+                      help="host:port of process 0, for a mesh over several processes")
+    mesh.add_argument("--num-processes", type=int, default=1)
+    mesh.add_argument("--process-id", type=int, default=0)
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--mode", choices=POLICIES, default="auto")
+    engine.add_argument("--shift-threshold", type=int, default=None,
+                        help="with --mode auto: SP mode from this many tokens per step up")
+    engine.add_argument("--max-model-len", type=int, default=512)
+    engine.add_argument("--max-num-seqs", type=int, default=8)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=128)
+    engine.add_argument("--max-queue", type=int, default=1024, help="requests waiting beyond this are refused")
+    engine.add_argument("--page-size", type=int, default=16)
+    engine.add_argument("--token-buckets", type=_id_list, default=None, metavar="16,64,128",
+                        help="token counts to compile a step for (default: 16 x 4**i up to the max)")
+    engine.add_argument("--seq-buckets", type=_id_list, default=None, metavar="1,4,8",
+                        help="sequence counts to compile a step for (default: 4**i up to the max)")
+    engine.add_argument("--attention", choices=("reference", "pallas", "auto"), default="auto")
+    engine.add_argument("--max-top-logprobs", type=int, default=20,
+                        help="alternatives per token a request may ask for (0: none; a narrower step result)")
+    pool = parser.add_mutually_exclusive_group()
+    pool.add_argument("--num-pages", type=int, default=None,
+                      help="KV-cache pages, page 0 (scratch) included")
+    pool.add_argument("--kv-memory-fraction", type=float, default=None,
+                      help="fraction of the device memory left after weights and step temporaries to give "
+                           "the KV cache (default 0.9; needs a backend with memory statistics)")
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument("--compilation-cache", type=Path, default=None, metavar="DIR",
+                       help=f"persistent XLA compilation cache (default: {default_compilation_cache_dir()})")
+    cache.add_argument("--no-compilation-cache", action="store_true", help="compile everything at every start")
+
+
+def _id_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def configure_jax(args: argparse.Namespace) -> Path | None:
+    """Platform, multi-process mesh and persistent compilation cache, from the arguments;
+    must run before anything uses a JAX backend. Returns the cache directory (None: off)."""
+    import jax
+
+    if args.cpu_devices is not None:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    if args.coordinator is not None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    if args.no_compilation_cache:
+        return None
+    cache_dir = Path(args.compilation_cache or default_compilation_cache_dir()).absolute()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir))
+    # Cache every executable: the steps are what matters, and the small ones cost nothing.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return cache_dir
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The :class:`EngineConfig` fields the arguments set."""
+    return dict(mode=args.mode, shift_threshold=args.shift_threshold, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_queue=args.max_queue, page_size=args.page_size, attention=args.attention,
+                token_buckets=args.token_buckets, seq_buckets=args.seq_buckets, num_pages=args.num_pages,
+                kv_memory_fraction=args.kv_memory_fraction, max_top_logprobs=args.max_top_logprobs)
+
+
+def stderr_report(message: str) -> None:
+    """Start-up progress for people: one line on stderr, flushed."""
+    print(f"shiftjax: {message}", file=sys.stderr, flush=True)
+
+
+def build_llm(args: argparse.Namespace, *, report=stderr_report):
+    """An offline :class:`LLM` as the arguments describe (call :func:`configure_jax` first)."""
+    from shiftjax.serving.llm import LLM
+
+    return LLM(args.model, sp=args.sp, tp=args.tp, dtype=args.dtype, weight_storage=args.weight_storage,
+               load_format=args.load_format, tokenizer=args.tokenizer, report=report, **engine_options(args))
+
+
+def build_service(args: argparse.Namespace, *, observer=None, report=stderr_report):
+    """An :class:`AsyncEngineService` as the arguments describe. Configures JAX, then
+    returns at once: weights load and executables compile on the service's engine thread
+    (``service.ready`` / ``wait_ready()``; ``info()`` then says what was built)."""
+    from shiftjax.checkpoints.load import load_tokenizer, tokenizer_path_for
+    from shiftjax.serving.service import AsyncEngineService
+
+    configure_jax(args)
+    tokenizer = load_tokenizer(tokenizer_path_for(args.model, args.load_format, args.tokenizer))
+
+    def build_engine():
+        llm = build_llm(args, report=report)
+        return llm.engine
+
+    name = "default" if args.model == "default" else Path(args.model).name
+    return AsyncEngineService(build_engine, tokenizer, model_name=name, observer=observer,
+                              details={"load_format": args.load_format, "dtype": args.dtype,
+                                       "weight_storage": args.weight_storage})
