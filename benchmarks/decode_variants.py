@@ -76,7 +76,7 @@ def main():
                                                               sampled=kind == "sampled"), weights)
                        for kind in ("greedy", "sampled")}
             start = time.perf_counter()
-            exe = make_step(weights, "tp", attention=model_gpu.ATTENTION, layer_loop=loop).lower(
+            exe = make_step(weights, "tp", attention=model_gpu.attention_impl(), layer_loop=loop).lower(
                 params_for(weights, "tp"), caches, batches["greedy"]).compile()
             compile_s = time.perf_counter() - start
             report = hlo_report(exe, caches, weights)

@@ -55,7 +55,12 @@ LLAMA8B = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096,
 # HLO report cannot mistake an activation for a weight)
 TINY = ModelConfig(architecture="llama", vocab_size=320, hidden_size=64, intermediate_size=96, num_layers=3,
                    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
-ATTENTION = "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+def attention_impl() -> str:
+    """Pallas on a GPU, the reference elsewhere (a function: importing this module must not
+    start a JAX backend, shift_x2.py configures CPU devices after importing it)."""
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 
 def decode_shapes(smoke: bool) -> dict:
@@ -173,7 +178,7 @@ def hlo_section(weights, caches, shapes: dict, layer_loops=("scan",)):
     num_seqs = shapes["num_seqs"][min(1, len(shapes["num_seqs"]) - 1)]
     batch = to_device(decode_batch(num_seqs, shapes["context"], shapes["page_size"], 64), weights)
     for loop in layer_loops:
-        step = make_step(weights, "tp", attention=ATTENTION, layer_loop=loop)
+        step = make_step(weights, "tp", attention=attention_impl(), layer_loop=loop)
         compiled = step.lower(params_for(weights, "tp"), caches, batch).compile()
         report = hlo_report(compiled, caches, weights)
         RESULTS[f"hlo_decode{num_seqs}_{loop}"] = report
@@ -191,7 +196,7 @@ def decode_timing(weights, caches, shapes: dict, ceiling: dict):
     context, page_size = shapes["context"], shapes["page_size"]
     for num_seqs in shapes["num_seqs"]:
         dev_batch = to_device(decode_batch(num_seqs, context, page_size, 64), weights)
-        step = make_step(weights, "tp", attention=ATTENTION)
+        step = make_step(weights, "tp", attention=attention_impl())
         start = time.perf_counter()
         compiled = step.lower(params_for(weights, "tp"), caches, dev_batch).compile()
         compile_s = time.perf_counter() - start
@@ -230,7 +235,7 @@ def compile_time_vs_depth(depths=(2, 80), smoke=False):
         caches = allocate_cache(mesh, layers, weights.layout.kv_slots, config.head_dim, CacheConfig(65, 16, "bfloat16"))
         batch = to_device(empty_batch(64, 8, 8), weights)
         start = time.perf_counter()
-        make_step(weights, "tp", attention=ATTENTION).lower(params_for(weights, "tp"), caches, batch).compile()
+        make_step(weights, "tp", attention=attention_impl()).lower(params_for(weights, "tp"), caches, batch).compile()
         out[layers] = time.perf_counter() - start
         log(f"[4] compile time, {layers} layers: {out[layers]:.2f} s")
     RESULTS["compile_seconds_by_layers"] = out
