@@ -69,6 +69,7 @@ def test_burst_sends_exact_prompts_and_measures_the_stream(http):
     assert engine.peak_in_flight == 8
     check_timings(result, 5)
     assert summary["request_goodput"] == pytest.approx(summary["request_throughput"])
+    assert 0.0 < summary["client_cpu_fraction"] < 2.0
     assert summary["mode_steps"].get("sp", 0) > 0  # 8 in flight >= sp_from: the usage's modes came back
     assert sum(summary["mode_steps"].values()) == 40
 

@@ -53,6 +53,8 @@ def summary_lines(result: dict) -> list[str]:
         for key, value in stats.items():
             if key.startswith("p") and key.endswith("_ms"):
                 lines.append(row(f"P{key[1:-3]} {label} (ms):", value))
+    if summary.get("client_cpu_fraction", 0.0) > 0.8:
+        lines.append(f"note: the client used {summary['client_cpu_fraction']:.0%} of a CPU: it may limit this run")
     if summary.get("mode_steps"):
         lines.append(" Steps per mode (request-steps) ".center(WIDTH, "-"))
         lines += [row(f"{mode}:", count) for mode, count in sorted(summary["mode_steps"].items())]
