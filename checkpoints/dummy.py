@@ -102,10 +102,27 @@ def _generate_block(weight: BlockWeight, shapes: dict, rows: list, seed: int, dt
         return block[None] if weight.stacked else block
 
     if not layered:
+        if len(weight.segments) == 1 and _row_chunks(len(rows[0])) > 1:
+            return _chunked_block(_tensor_key(seed, weight.segments[0].tensor), rows[0], other, cut, dtype)
         return layer_block(None)
     # One layer at a time (lax.map writes each into the stacked output in place), so the
     # float32 temporaries are one layer's block, not the whole stack.
     return lax.map(layer_block, jnp.arange(canonical[0]))
+
+
+def _row_chunks(rows: int, most: int = 32) -> int:
+    """The largest divisor of ``rows`` up to ``most``: how many pieces a vocabulary block is
+    generated in."""
+    return max(c for c in range(1, most + 1) if rows % c == 0)
+
+
+def _chunked_block(key: jax.Array, rows: Int[Array, "n"], other: tuple[int, ...], cut: int, dtype) -> jax.Array:
+    """A block without layers (the vocabulary's) generated a chunk of rows at a time, so the
+    float32 temporaries are a chunk's, not the block's (a 70B embedding block at tp = 2 is
+    4.2 GB of float32 values, and generating it whole took four times that on the CPU)."""
+    chunks = _row_chunks(rows.shape[0])
+    values = lax.map(lambda chunk: _segment_values(key, chunk, other, 0, dtype), rows.reshape(chunks, -1))
+    return jnp.moveaxis(values.reshape(rows.shape[0], *other), 0, cut)
 
 
 @functools.lru_cache(maxsize=64)
