@@ -155,3 +155,16 @@ def test_default_tokenizer_special_tokens_are_left_out():
     allowed = tokenizer_token_ids(default_cache_dir())
     assert allowed.size == 49152 - 17  # SmolLM2: 17 special added tokens, ids 0..16
     assert allowed.min() == 17 and allowed.max() == 49151
+
+
+def test_a_rate_sweep_sends_the_same_prompts_at_every_rate():
+    from shiftjax.serving.bench.serve_bench import ServeBenchConfig, build_workload
+
+    def workload(rate, seed=0):
+        return build_workload(ServeBenchConfig(server="", num_prompts=5, input_len=8, output_len=2, range_ratio=0.5,
+                                               request_rate=rate, vocab_size=1000, seed=seed))
+
+    at_inf, at_two = workload(float("inf")), workload(2.0)
+    assert at_inf.prompts == at_two.prompts and at_inf.requests == at_two.requests
+    assert at_inf.send_offsets == [0.0] * 5 and at_two.send_offsets[-1] == pytest.approx(2.5)
+    assert workload(2.0, seed=1).prompts != at_two.prompts

@@ -74,20 +74,23 @@ class Workload:
 
 
 def build_workload(config: ServeBenchConfig) -> Workload:
-    """The requests, their prompt ids and their send times, all from ``config.seed``."""
-    rng = np.random.default_rng(config.seed)
+    """The requests, their prompt ids and their send times, all from ``config.seed``.
+
+    Lengths, arrivals and prompt ids draw from three independent streams of the seed, so a
+    rate sweep sends the same prompts at every rate (an infinite rate draws no gaps)."""
+    length_rng, arrival_rng, prompt_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(config.seed).spawn(3))
     if config.dataset == "random":
         num_prompts = DEFAULT_RANDOM_PROMPTS if config.num_prompts is None else config.num_prompts
         requests = workloads.random_requests(num_prompts, config.input_len, config.output_len,
-                                             config.range_ratio, rng)
-        offsets = workloads.arrival_offsets(len(requests), config.request_rate, config.burstiness, rng)
+                                             config.range_ratio, length_rng)
+        offsets = workloads.arrival_offsets(len(requests), config.request_rate, config.burstiness, arrival_rng)
     else:
         rows = workloads.read_trace(config.trace)
         requests = workloads.window_trace(rows, start_s=config.start, duration_s=config.duration,
                                           time_scale=config.time_scale, max_requests=config.num_prompts)
         requests = workloads.clip_lengths(requests, config.max_input_len, config.max_output_len)
         offsets = [r.arrival_s for r in requests]
-    prompts = workloads.prompt_token_ids(requests, prompt_vocabulary(config), rng)
+    prompts = workloads.prompt_token_ids(requests, prompt_vocabulary(config), prompt_rng)
     return Workload(requests, prompts, [float(t) for t in offsets])
 
 
