@@ -264,6 +264,7 @@ class AsyncEngineService:
         engine = self.engine
         if not engine.scheduler.has_work:
             return
+        preemptions = engine.scheduler.num_preemptions
         try:
             report = engine.run_step()
         except StepFailed as failure:
@@ -279,6 +280,8 @@ class AsyncEngineService:
             self._observer.on_step(mode=report.mode, num_tokens=report.num_tokens,
                                    num_seqs=len(report.requests), seconds=report.seconds,
                                    switched=report.switched)
+            for _ in range(engine.scheduler.num_preemptions - preemptions):
+                self._observer.on_preemption()
         now = time.monotonic()
         finished = set(report.finished)
         for request, sampled in zip(report.requests, report.sampled):

@@ -276,3 +276,41 @@ def test_info_is_json_and_says_what_runs(service):
     assert info["page_pool"]["num_pages"] == 39 and info["page_pool"]["sized_by"] == "num_pages"
     assert info["startup"]["executables"] == 4
     assert info["model_config"]["vocab_size"] == 96
+
+
+class CountingObserver(GateObserver):
+    def __init__(self):
+        super().__init__()
+        self.gate.set()
+        self.preemptions = 0
+        self.tokens = 0
+
+    def on_preemption(self):
+        self.preemptions += 1
+
+    def on_token(self, *, first, seconds_since_previous):
+        assert seconds_since_previous >= 0
+        self.tokens += 1
+
+
+def test_preemption_changes_no_output_and_is_counted(engine, reference):
+    # 4 x (40 + 20) tokens need 60 pages of 4; the pool has 39: the scheduler must preempt.
+    prompts = [[(7 * i + j) % 90 + 3 for j in range(40)] for i in range(4)]
+    observer = CountingObserver()
+    service = AsyncEngineService(engine, CharTokenizer(), observer=observer)
+    try:
+        async def main():
+            alone = [await collect(service.submit(request(p, max_tokens=20))) for p in prompts]
+            before = service.stats().preemptions
+            together = await asyncio.gather(*(collect(service.submit(request(p, max_tokens=20))) for p in prompts))
+            return alone, together, service.stats().preemptions - before
+
+        alone, together, preempted = asyncio.run(main())
+    finally:
+        service.shutdown()
+    ids = lambda deltas: [t for d in deltas for t in d.token_ids]  # noqa: E731
+    assert [ids(d) for d in together] == [ids(d) for d in alone]
+    assert preempted > 0 and observer.preemptions == preempted
+    assert sum(d[-1].usage.preemptions for d in together) == preempted
+    assert observer.tokens == 8 * 20
+    assert engine.scheduler.allocator.num_free == engine.num_pages - 1
