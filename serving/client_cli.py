@@ -91,6 +91,10 @@ def client_main(argv: list[str]) -> int:
 
                 info = MessageToDict(client.info(), preserving_proto_field_name=True)
                 info["info"] = json.loads(info.pop("info_json", "{}"))
+                for key in ("steps", "switches", "preemptions"):  # proto JSON writes int64 as strings
+                    info[key] = int(info.get(key, 0))
+                for key in ("steps_by_mode", "tokens_by_mode"):
+                    info[key] = {mode: int(n) for mode, n in info.get(key, {}).items()}
                 print(json.dumps(info, indent=2))
                 return 0
             fields = _sampling_fields(args)

@@ -34,7 +34,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a file holding the bearer token both front ends require")
     group.add_argument("--grace-seconds", type=float, default=30.0,
                        help="on SIGTERM/SIGINT, how long running requests may take to finish")
-    group.add_argument("--served-model-name", default=None, help="the model name the HTTP API reports")
+    group.add_argument("--served-model-name", default=None, help="the model name both front ends report")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -102,6 +102,8 @@ async def _serve(args, tls, api_key) -> int:
     started = time.monotonic()
     service = await _build_or_stop(args, metrics, stop)
     if service is not None:
+        if args.served_model_name:  # one name on both front ends
+            service.model_name = args.served_model_name
         grpc_server.attach(service)  # health turns SERVING by itself once the service is ready
     if service is None or not await _ready_or_stop(service, stop):
         log.info("stopped during start-up")
@@ -116,7 +118,7 @@ async def _serve(args, tls, api_key) -> int:
     if args.http_port is not None:
         from shiftjax.serving.http_server import create_app, uvicorn_server
 
-        app = create_app(service, model_name=args.served_model_name or service.model_name, api_key=api_key,
+        app = create_app(service, model_name=service.model_name, api_key=api_key,
                          metrics=metrics)
         http_server = uvicorn_server(app, host=args.host, port=args.http_port)
         http_server.config.timeout_graceful_shutdown = max(1, round(args.grace_seconds))
