@@ -169,6 +169,8 @@ class GrpcServer:
     def __init__(self, service=None, *, host: str = "127.0.0.1", port: int = 50051,
                  tls: tuple[bytes, bytes] | None = None, api_key: str | None = None):
         interceptors = [BearerTokenInterceptor(api_key)] if api_key else []
+        # grpc turns SO_REUSEPORT on by default, which lets a second server bind a port in use
+        # and silently share its traffic; off, a busy port is an error at start.
         self.server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
         self.servicer = InferenceServicer()
         self.health = health.aio.HealthServicer()
