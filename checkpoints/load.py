@@ -110,7 +110,14 @@ class CanonicalReader:
         self.params_dir = Path(params_dir)
         self.shapes = shapes
         self.dtype = np.dtype(dtype)
-        self.context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
+        import tensorstore as ts
+
+        # A chunk cache as large as the largest tensor: a converted checkpoint stores each
+        # tensor as one chunk, and every block of a tensor reads from it in turn (blocks are
+        # made tensor by tensor), so it is decoded once instead of once per block.
+        largest = max(int(np.prod(shape)) for shape in shapes.values()) * 4
+        self.context = ts.Context({"cache_pool": {"total_bytes_limit": largest}},
+                                  parent=ocp.type_handlers.get_ts_context(use_ocdbt=True))
         self.bytes_read: dict[str, int] = defaultdict(int)  # host bytes per tensor, for tests
         self._opened = {}
 
