@@ -8,7 +8,7 @@ import pytest
 
 from shiftjax.serving.bench.cli import bench_main
 from shiftjax.serving.bench.compare import WorkloadSpec, read_workloads
-from shiftjax.serving.bench.compare_plots import client_mode_events, client_queue
+from shiftjax.serving.bench.compare_plots import client_mode_events, client_queue, sampled_mode_share
 from shiftjax.serving.bench.server_process import Deployment, read_deployments
 
 FAKE = ["{python}", "-m", "shiftjax.serving.bench.fake_server", "--port", "{port}", "--http-port", "{http_port}",
@@ -22,7 +22,7 @@ def test_compare_runs_every_deployment_on_the_same_requests(tmp_path):
     deployments = tmp_path / "deployments.json"
     deployments.write_text(json.dumps({"device": "loopback", "deployments": [
         {"name": "fast", "command": FAKE + ["--token-delay", "0.004", "--sp-from", "3"]},
-        {"name": "slow", "command": FAKE + ["--token-delay", "0.03", "--sp-from", "3"]},
+        {"name": "slow", "command": FAKE + ["--token-delay", "0.03", "--sp-from", "3", "--no-step-trace"]},
         {"name": "broken", "command": ["{python}", "-c", "raise SystemExit(3)"]},
     ]}))
     workloads = tmp_path / "workloads.json"
@@ -32,7 +32,8 @@ def test_compare_runs_every_deployment_on_the_same_requests(tmp_path):
     ]))
     out = tmp_path / "out"
     code = bench_main(["compare", "--deployments", str(deployments), "--workloads", str(workloads),
-                       "--out-dir", str(out), "--vocab-size", "300", "--no-progress", "--goodput", "ttft:5000"])
+                       "--out-dir", str(out), "--vocab-size", "300", "--no-progress", "--goodput", "ttft:5000",
+                       "--sample-interval", "0.03"])
     assert code == 1  # the broken deployment fails the invocation, after the others ran
 
     report = json.loads((out / "compare.json").read_text())
@@ -56,6 +57,12 @@ def test_compare_runs_every_deployment_on_the_same_requests(tmp_path):
     trace_run = fast["runs"][2]["result"]
     assert trace_run["step_trace"] and {s["mode"] for s in trace_run["step_trace"]} == {"tp", "sp"}
     assert len(trace_run["requests"]) == 7
+    # without a step trace, the timeline has ServerInfo polled during the run
+    slow_trace_run = slow["runs"][2]["result"]
+    assert "step_trace" not in slow_trace_run and len(slow_trace_run["server_samples"]) >= 3
+    last = slow_trace_run["server_samples"][-1]
+    assert last["steps_by_mode"]["tp"] + last["steps_by_mode"]["sp"] == last["steps"] > 0
+    assert max(s["running"] for s in slow_trace_run["server_samples"]) >= 3
 
     table = (out / "compare.md").read_text()
     assert "| fast" in table and "| slow" in table and "TTFT p99" in table
@@ -74,6 +81,15 @@ def test_client_timeline_reconstruction_by_hand():
     assert modes == ["sp", "sp", "tp", "tp"]
     waiting, in_flight = client_queue([request], np.array([1.2, 1.6, 1.9]))
     assert waiting.tolist() == [1, 0, 0] and in_flight.tolist() == [1, 1, 0]
+
+
+def test_mode_share_from_server_info_samples_by_hand():
+    samples = [{"time": 100.0, "steps_by_mode": {"tp": 0, "sp": 0}},
+               {"time": 101.0, "steps_by_mode": {"tp": 3, "sp": 1}},  # 1 of 4 steps in SP
+               {"time": 102.0, "steps_by_mode": {"tp": 3, "sp": 1}},  # idle: left out
+               {"time": 103.0, "steps_by_mode": {"tp": 3, "sp": 3}}]  # all SP
+    times, shares, counts = sampled_mode_share(samples, started_unix=100.0)
+    assert times.tolist() == [0.5, 2.5] and shares.tolist() == [0.25, 1.0] and counts.tolist() == [4, 2]
 
 
 def test_configuration_errors_name_what_is_wrong(tmp_path):

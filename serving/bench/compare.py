@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from shiftjax.serving.bench import serve_bench
 from shiftjax.serving.bench.report import json_safe, write_json
-from shiftjax.serving.bench.server_process import ServerProcess, read_deployments
+from shiftjax.serving.bench.server_process import ServerInfoSampler, ServerProcess, read_deployments
 
 CONFIG_FIELDS = {f.name for f in dataclasses.fields(serve_bench.ServeBenchConfig)} - {"server"}
 FLOAT_FIELDS = {f.name for f in dataclasses.fields(serve_bench.ServeBenchConfig) if str(f.type).startswith("float")}
@@ -83,7 +84,7 @@ def planned_runs(specs: list[WorkloadSpec], common: dict) -> list[tuple[Workload
     return runs
 
 
-def run_deployment(process: ServerProcess, runs, out_dir: Path) -> dict:
+def run_deployment(process: ServerProcess, runs, out_dir: Path, sample_interval_s: float = 0.25) -> dict:
     """Starts one deployment, runs every planned run against it, stops it."""
     entry = {"name": process.deployment.name, "command": process.command, "runs": [], "error": None}
     try:
@@ -94,7 +95,11 @@ def run_deployment(process: ServerProcess, runs, out_dir: Path) -> dict:
             address = process.http_address if config.backend == "openai" else process.grpc_address
             config = dataclasses.replace(config, server=address, label=f"{process.deployment.name}/{spec.name}")
             print(f"[{process.deployment.name}] {spec.name}" + (f" at {rate:g} req/s" if rate else ""), file=sys.stderr)
-            result = asyncio.run(serve_bench.run_serve_bench(config, workload))
+            sampler = ServerInfoSampler(process.grpc_address, sample_interval_s) if spec.timeline else contextlib.nullcontext()
+            with sampler:
+                result = asyncio.run(serve_bench.run_serve_bench(config, workload))
+            if spec.timeline:
+                result["server_samples"] = sampler.samples
             step_trace = (process.server_info().get("info_json") or {}).get("step_trace") if spec.timeline else None
             if step_trace:
                 end = result["started_unix"] + result["summary"]["duration_s"]
@@ -156,6 +161,8 @@ def compare_main(argv: list[str]) -> int:
     parser.add_argument("--out-dir", required=True, help="compare.json, compare.md, plots and server logs go here")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these deployments")
     parser.add_argument("--device", help='what the deployments run on, e.g. "2x H200" (overrides the file)')
+    parser.add_argument("--sample-interval", type=float, default=0.25,
+                        help="seconds between ServerInfo polls during a timeline workload")
     serve_bench.add_workload_arguments(parser)
     args = parser.parse_args(argv)
     out_dir = Path(args.out_dir)
@@ -178,7 +185,7 @@ def compare_main(argv: list[str]) -> int:
     report = {"device": device, "workloads": [dataclasses.asdict(s) for s in specs], "deployments": []}
     for deployment in deployments:
         process = ServerProcess(deployment, out_dir / "logs" / f"{deployment.name}.log")
-        report["deployments"].append(run_deployment(process, runs, out_dir))
+        report["deployments"].append(run_deployment(process, runs, out_dir, args.sample_interval))
         for run in report["deployments"][-1]["runs"]:
             run["result"]["device"] = device
         write_json(report, out_dir / "compare.json")  # after each deployment: a crash keeps what ran

@@ -3,10 +3,13 @@
 - ``<workload>_latency_vs_throughput.png``: TTFT and TPOT, p50 and p99, against output
   throughput, one line per deployment through the request rates of a sweep.
 - ``<workload>_timeline.png``: per deployment, the mode of every step and the queue over
-  the run. From the server's step trace when ServerInfo carries one (``info_json``
-  ``step_trace``: ``time`` in Unix seconds, ``mode``, ``waiting``, ``running``); otherwise
-  reconstructed on the client from each request's ``usage.modes`` (one point per
-  request-step, prefill steps spread before the first token) and the requests in flight.
+  the run, from the best source there is: the server's step trace when ServerInfo carries
+  one (``info_json`` ``step_trace``: ``time`` in Unix seconds, ``mode``, ``waiting``,
+  ``running``); else ServerInfo polled during the run (``running``, ``waiting``, and the
+  share of the steps between two polls that ran in SP); else reconstructed on the client
+  from each request's ``usage.modes`` (one point per request-step, prefill steps spread
+  before the first token). The client's own view of the queue (awaiting a first token,
+  in flight) is drawn dotted in every case.
 """
 
 from __future__ import annotations
@@ -102,6 +105,62 @@ def client_queue(requests: list[dict], grid: np.ndarray) -> tuple[np.ndarray, np
     return ((sent <= at) & (at < first)).sum(axis=1), ((sent <= at) & (at < done)).sum(axis=1)
 
 
+def sampled_mode_share(samples: list[dict], started_unix: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """From consecutive ServerInfo samples: each interval's midpoint (seconds from the
+    run's start), the share of its steps that ran in SP mode, and its step count
+    (intervals without steps are left out)."""
+    times, shares, counts = [], [], []
+    for before, after in zip(samples, samples[1:]):
+        steps = {mode: after["steps_by_mode"].get(mode, 0) - before["steps_by_mode"].get(mode, 0)
+                 for mode in after["steps_by_mode"]}
+        total = sum(steps.values())
+        if total > 0:
+            times.append((before["time"] + after["time"]) / 2 - started_unix)
+            shares.append(steps.get("sp", 0) / total)
+            counts.append(total)
+    return np.asarray(times), np.asarray(shares), np.asarray(counts)
+
+
+def _draw_modes(axis, result: dict) -> str:
+    """Mode per step on ``axis`` (tp at 0, sp at 1) from the best source; returns its name."""
+    trace, samples = result.get("step_trace"), result.get("server_samples")
+    if trace:
+        times = np.array([s["time"] - result["started_unix"] for s in trace])
+        modes = [s["mode"] for s in trace]
+        source = "server step trace"
+    elif samples and len(samples) > 1:
+        times, shares, counts = sampled_mode_share(samples, result["started_unix"])
+        axis.plot(times, shares, "-", lw=0.8, color="0.5")
+        axis.scatter(times, shares, s=np.clip(counts, 4, 40), c=shares, cmap="coolwarm", vmin=0, vmax=1)
+        return "share of steps in SP per ServerInfo sample"
+    else:
+        times, modes = client_mode_events(result["requests"])
+        source = "per-request usage.modes"
+    rows = np.array([MODE_ROWS.get(m, 2) for m in modes])
+    for mode, row in MODE_ROWS.items():
+        chosen = rows == row
+        axis.scatter(times[chosen], rows[chosen], s=4, alpha=0.5, label=mode)
+    return source
+
+
+def _draw_queue(axis, result: dict) -> None:
+    """Waiting and running requests on ``axis``: the server's own numbers when it gave
+    them, else what the client saw (awaiting a first token, in flight)."""
+    trace, samples = result.get("step_trace"), result.get("server_samples")
+    if trace:  # the queue at each step: points, since nothing is known between steps
+        times = np.array([s["time"] - result["started_unix"] for s in trace])
+        axis.plot(times, [s.get("waiting", 0) for s in trace], ".", ms=3, label="waiting (server, per step)")
+        axis.plot(times, [s.get("running", 0) for s in trace], ".", ms=3, label="running (server, per step)")
+    elif samples:
+        times = np.array([s["time"] - result["started_unix"] for s in samples])
+        axis.step(times, [s["waiting"] for s in samples], where="post", label="waiting (server, polled)")
+        axis.step(times, [s["running"] for s in samples], where="post", label="running (server, polled)")
+    grid = np.linspace(0.0, result["summary"]["duration_s"], 600)
+    waiting, in_flight = client_queue(result["requests"], grid)
+    axis.step(grid, waiting, where="post", ls=":", label="awaiting first token (client)")
+    axis.step(grid, in_flight, where="post", ls=":", label="in flight (client)")
+
+
 def plot_timeline(report: dict, workload: str, out_dir: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
@@ -113,26 +172,10 @@ def plot_timeline(report: dict, workload: str, out_dir: Path) -> Path | None:
     for index, (name, runs) in enumerate(deployments):
         result = runs[-1]["result"]  # a trace is replayed once; of a sweep, the highest rate
         mode_axis, queue_axis = axes[2 * index, 0], axes[2 * index + 1, 0]
-        trace = result.get("step_trace")
-        if trace:
-            times = np.array([s["time"] - result["started_unix"] for s in trace])
-            modes = [s["mode"] for s in trace]
-            queue_axis.step(times, [s.get("waiting", 0) for s in trace], where="post", label="waiting (server)")
-            queue_axis.step(times, [s.get("running", 0) for s in trace], where="post", label="running (server)")
-            source = "server step trace"
-        else:
-            times, modes = client_mode_events(result["requests"])
-            grid = np.linspace(0.0, result["summary"]["duration_s"], 600)
-            waiting, in_flight = client_queue(result["requests"], grid)
-            queue_axis.step(grid, waiting, where="post", label="awaiting first token (client)")
-            queue_axis.step(grid, in_flight, where="post", label="in flight (client)")
-            source = "per-request usage.modes"
-        rows = np.array([MODE_ROWS.get(m, 2) for m in modes])
-        for mode, row in MODE_ROWS.items():
-            chosen = rows == row
-            mode_axis.scatter(times[chosen], rows[chosen], s=4, alpha=0.5, label=mode)
+        source = _draw_modes(mode_axis, result)
+        _draw_queue(queue_axis, result)
         mode_axis.set_yticks([0, 1], ["tp", "sp"])
-        mode_axis.set_ylim(-0.5, 1.5)
+        mode_axis.set_ylim(-0.25, 1.25)
         mode_axis.set_title(f"{name}: mode per step ({source})", fontsize=9)
         queue_axis.set_ylabel("requests")
         queue_axis.legend(fontsize=7, loc="upper right")

@@ -30,10 +30,12 @@ from shiftjax.serving.proto.shiftjax.v1 import inference_pb2_grpc as pb_grpc
 class FakeEngine:
     """The timing and bookkeeping both front ends share."""
 
-    def __init__(self, *, prefill_delay: float = 0.02, token_delay: float = 0.01, sp_from: int = 4):
+    def __init__(self, *, prefill_delay: float = 0.02, token_delay: float = 0.01, sp_from: int = 4,
+                 report_step_trace: bool = True):
         self.prefill_delay = prefill_delay
         self.token_delay = token_delay
         self.sp_from = sp_from
+        self.report_step_trace = report_step_trace  # off: ServerInfo has only counters, as today's server
         self.in_flight = 0
         self.peak_in_flight = 0
         self.requests: list[dict] = []  # what each request asked for
@@ -72,8 +74,12 @@ class FakeInferenceServicer(pb_grpc.InferenceServiceServicer):
         yield pb.GenerateResponse(request_id="fake", finish_reason=pb.FINISH_REASON_LENGTH, usage=usage)
 
     async def ServerInfo(self, request, context):
+        trace = self.engine.step_trace
+        steps_by_mode = {mode: sum(s["mode"] == mode for s in trace) for mode in ("tp", "sp")}
+        info = {"step_trace": trace} if self.engine.report_step_trace else {}
         return pb.ServerInfoResponse(model="fake", modes=["tp", "sp"], policy="fake", ready=True,
-                                     info_json=json.dumps({"step_trace": self.engine.step_trace}))
+                                     running=self.engine.in_flight, waiting=0, steps=len(trace),
+                                     steps_by_mode=steps_by_mode, info_json=json.dumps(info))
 
 
 def completions_app(engine: FakeEngine):
@@ -163,10 +169,12 @@ def fake_server_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-delay", type=float, default=0.01)
     parser.add_argument("--sp-from", type=int, default=4)
     parser.add_argument("--startup-delay", type=float, default=0.0)
+    parser.add_argument("--no-step-trace", action="store_true", help="ServerInfo without info_json's step_trace")
     args = parser.parse_args(argv)
 
     async def serve():
-        engine = FakeEngine(prefill_delay=args.prefill_delay, token_delay=args.token_delay, sp_from=args.sp_from)
+        engine = FakeEngine(prefill_delay=args.prefill_delay, token_delay=args.token_delay, sp_from=args.sp_from,
+                            report_step_trace=not args.no_step_trace)
         server = FakeServer(engine, port=args.port, http_port=args.http_port, startup_delay=args.startup_delay)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -165,3 +165,45 @@ class ServerProcess:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+class ServerInfoSampler:
+    """Polls ServerInfo on a thread while a run goes on, keeping what changes with load:
+    ``running``, ``waiting``, ``free_pages`` and the per-mode step and token counters. The
+    differences between samples give the server's queue and its mode mix over time, with
+    no step trace needed. ``time`` is Unix seconds (the client's clock)."""
+
+    FIELDS = ("running", "waiting", "free_pages", "steps", "switches", "preemptions")
+
+    def __init__(self, address: str, interval_s: float = 0.25):
+        import threading
+
+        self.address, self.interval_s = address, interval_s
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="server-info-sampler", daemon=True)
+
+    def __enter__(self) -> "ServerInfoSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10.0)
+
+    def _poll(self) -> None:
+        from shiftjax.serving.proto.shiftjax.v1 import inference_pb2, inference_pb2_grpc
+
+        with grpc.insecure_channel(self.address) as channel:
+            stub = inference_pb2_grpc.InferenceServiceStub(channel)
+            while True:
+                try:
+                    reply = stub.ServerInfo(inference_pb2.ServerInfoRequest(), timeout=5.0)
+                    sample = {name: int(getattr(reply, name)) for name in self.FIELDS}
+                    sample |= {"time": time.time(), "steps_by_mode": dict(reply.steps_by_mode),
+                               "tokens_by_mode": dict(reply.tokens_by_mode)}
+                    self.samples.append(sample)
+                except grpc.RpcError:
+                    pass  # a busy or draining server: the next sample will tell
+                if self._stop.wait(self.interval_s):
+                    return
