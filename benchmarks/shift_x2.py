@@ -249,6 +249,35 @@ def allreduce_variants(smoke: bool, attention: str, profile: bool) -> dict:
     return out
 
 
+def collectives(smoke: bool) -> dict:
+    """Seconds of one all-reduce (``psum``) and one all-to-all over both devices against
+    message size (bytes per device), the inputs of the 8-GPU projection (issue 9): each
+    collective chained ``repeats`` times inside one jit so launch cost is amortised as in a step."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    sizes = [1 << 12, 1 << 16, 1 << 20, 1 << 24] if smoke else [1 << k for k in range(12, 28, 2)]
+    repeats = 4 if smoke else 20
+    out = {"bytes_per_device": sizes, "all_reduce_s": [], "all_to_all_s": []}
+
+    def chained(collective):
+        def body(x):
+            for _ in range(repeats):
+                x = collective(x) * 0.5  # the scale keeps bf16 values bounded and the chain serial
+            return x
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+    reduce = chained(lambda x: jax.lax.psum(x, "x"))
+    exchange = chained(lambda x: jax.lax.all_to_all(x, "x", 0, 0, tiled=True))
+    for size in sizes:
+        x = jax.device_put(jnp.ones((2 * size // 2,), jnp.bfloat16), NamedSharding(mesh, P("x")))
+        for name, fn in (("all_reduce_s", reduce), ("all_to_all_s", exchange)):
+            out[name].append(min(time_fn(fn, x, warmup=2, iters=10) for _ in range(3)) / repeats)
+        log(f"  {size:>10d} B/device: all-reduce {out['all_reduce_s'][-1] * 1e6:8.1f} us, "
+            f"all-to-all {out['all_to_all_s'][-1] * 1e6:8.1f} us")
+    return out
+
+
 def engine_loop(smoke: bool, attention: str) -> dict:
     """Wall time per decode step in the engine's own loop (schedule, pad, place, run,
     fetch), pure TP over both GPUs (a (1, 2) mesh: one mode, so only TP executables)."""
@@ -328,6 +357,7 @@ def main() -> int:
                "steps_mesh": lambda: step_table(args.smoke, attention, profile, "mesh"),
                "steps_1gpu": lambda: step_table(args.smoke, attention, profile, "1gpu"),
                "allreduce": lambda: allreduce_variants(args.smoke, attention, profile),
+               "collectives": lambda: collectives(args.smoke),
                "engine": lambda: engine_loop(args.smoke, attention)}
     for part in parts:
         start = time.perf_counter()
