@@ -111,7 +111,8 @@ class LLM:
                         self.engine.abort(request, "stop")
         texts = {}
         for r in requests:
-            stop_token = r.output_ids[-1] if r.finish_reason == "stop" and r.output_ids else None
+            stop_token = (r.output_ids[-1] if r.finish_reason == "stop" and r.output_ids
+                          and r.output_ids[-1] in r.params.stop_token_ids else None)  # None for EOS, as vLLM
             if r in watched:
                 detokenizer, pieces = watched[r]
                 text = "".join(pieces) + detokenizer.finish()

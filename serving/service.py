@@ -321,7 +321,8 @@ class AsyncEngineService:
             reason, stop_reason = FINISH_STOP, live.detokenizer.stopped
         elif finished:
             reason = request.finish_reason
-            stop_reason = new_ids[-1] if reason == FINISH_STOP else None
+            # as vLLM: the id of a stop_token_ids match, None for the model's own EOS
+            stop_reason = new_ids[-1] if reason == FINISH_STOP and new_ids[-1] in params.stop_token_ids else None
             text += live.detokenizer.finish()
         delta = Delta(live.request_id, tuple(new_ids), text, logprobs)
         if reason is None:
