@@ -5,4 +5,4 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 export JAX_DEFAULT_MATMUL_PRECISION=highest  # float32 comparisons in full precision (not TF32)
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/env.txt"
-timeout "${MODEL_TIMEOUT:-420}" python3 -P benchmarks/model_gpu.py 2>&1 | tee "$OUT/model_gpu.log"
+timeout "${MODEL_TIMEOUT:-420}" "$PY" -P benchmarks/model_gpu.py ${MODEL_ARGS:-} 2>&1 | tee "$OUT/model_gpu.log"

@@ -2,8 +2,9 @@
 
 A benchmark that only runs on a lent GPU rots unseen (issue 11: decode_variants.py raised
 TypeError at every commit after the step gained an argument, while the README quoted its
-numbers). Each script runs here in a subprocess with ``--smoke`` (the GPU driver script
-``run_gpu_issue11.sh`` with ``SMOKE=1``), and the test checks what its output must say:
+numbers). Each script runs here in a subprocess with ``--smoke``, through the GPU driver
+script that runs it on the H200 where there is one (``SMOKE=1`` or ``BENCH_ARGS=--smoke``),
+and the test checks what its output must say:
 the layer loops' HLO difference, the timer behind every number, the files the GPU call
 brings back. A new script under benchmarks/ without a smoke run here fails
 ``test_every_script_is_smoke_tested``.
@@ -23,15 +24,14 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-# scripts run through run_gpu_issue11.sh (test_gpu_script_smoke) or on their own (SCRIPTS)
-VIA_GPU_SCRIPT = {"roofline.py", "decode_variants.py", "model_gpu.py"}
-SCRIPTS = {
-    "layer_bench.py": ["--smoke"],
-    "weight_layout_bench.py": ["--smoke"],
-    "attention_bench.py": ["--smoke"],
-    "shift_x2.py": ["--smoke"],
-}
-SLOW = {"shift_x2.py"}  # six minutes of wall clock on the shared 2-core machine
+# which test runs each script's --smoke path
+VIA_GPU_SCRIPT = {"roofline.py", "decode_variants.py", "model_gpu.py",  # test_gpu_script_smoke
+                  "layer_bench.py", "weight_layout_bench.py",  # test_layers_script_smoke
+                  "attention_bench.py"}  # test_kernels_script_smoke
+# test_script_smoke: script -> (arguments, the JSON file it must write into --out)
+SCRIPTS = {"shift_x2.py": (["--smoke"], "shift_x2.json"),
+           "restore_gpu.py": (["--smoke"], "restore_gpu.json")}
+SLOW = {"shift_x2.py", "restore_gpu.py"}  # 6 and 1.5 minutes of wall clock on the shared 2-core machine
 
 
 def run(cmd, env_extra=None, timeout=900, cwd=ROOT):
@@ -99,25 +99,40 @@ def test_gpu_script_smoke(tmp_path):
     assert pallas["pallas_vs_reference_float32"]["caches_equal"] is True
 
 
+def test_layers_script_smoke(tmp_path):
+    """run_gpu_layers.sh: both layer benchmarks; on the CPU the profiler has no device events,
+    so every timed number must say it is host wall clock, in the lines and the summaries."""
+    out = tmp_path / "out"
+    run(["bash", "benchmarks/run_gpu_layers.sh"], {"SMOKE": "1", "PY": sys.executable, "OUT": str(out)})
+    layer = (out / "layer.log").read_text()
+    timed = [line for line in layer.splitlines() if "us/layer" in line and "layers" in line]
+    assert len(timed) == 4 and all("[host wall clock: the profiler trace had no device events]" in t for t in timed)
+    assert "| 16 | host wall clock |" in layer
+    weights = (out / "weight_layout.log").read_text()
+    timed = [line for line in weights.splitlines() if " us  floor " in line]
+    assert timed and all("[host wall clock" in t for t in timed)
+    assert "timers used: host wall clock" in weights
+    rows = [line for line in weights.splitlines() if line.startswith("| SP | qkv | 8 |")]
+    assert rows and rows[0].count("[wall]") == 4
+    assert "read-only stream" in (out / "ceilings.txt").read_text()
+
+
+def test_kernels_script_smoke(tmp_path):
+    """run_gpu_kernels.sh's benchmark half: the attention benchmark in interpret mode."""
+    out = tmp_path / "out"
+    run(["bash", "benchmarks/run_gpu_kernels.sh"],
+        {"TESTS": "0", "BENCH_ARGS": "--smoke", "PY": sys.executable, "OUT": str(out)})
+    log = (out / "attention_bench.log").read_text()
+    assert "WRONG" not in log and "Traceback" not in log
+    assert [line for line in log.splitlines() if line.strip().startswith("case=")], log[-2000:]
+
+
 @pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW else s for s in SCRIPTS])
 def test_script_smoke(script, tmp_path):
-    args = SCRIPTS[script] + (["--out", str(tmp_path)] if script == "shift_x2.py" else [])
-    output = run([sys.executable, f"benchmarks/{script}", *args])
-    if script == "layer_bench.py":
-        # the CPU has no device trace: every timed line and the summary must say host wall clock
-        timed = [line for line in output.splitlines() if "us/layer" in line and "layers" in line]
-        assert timed and all("[host wall clock: the profiler trace had no device events]" in t for t in timed)
-        assert "| 16 | host wall clock |" in output
-    elif script == "weight_layout_bench.py":
-        timed = [line for line in output.splitlines() if " us  floor " in line]
-        assert timed and all("[host wall clock" in t for t in timed)
-        assert "timers used: host wall clock" in output
-        rows = [line for line in output.splitlines() if line.startswith("| SP | qkv | 8 |")]
-        assert rows and rows[0].count("[wall]") == 4
-    elif script == "attention_bench.py":
-        assert "WRONG" not in output and "summary" in output
-    elif script == "shift_x2.py":
-        assert (tmp_path / "shift_x2.json").exists()
+    args, result = SCRIPTS[script]
+    extra = ["--workdir", str(tmp_path / "work")] if script == "restore_gpu.py" else []
+    output = run([sys.executable, f"benchmarks/{script}", *args, "--out", str(tmp_path), *extra])
+    assert json.loads((tmp_path / result).read_text()), output[-2000:]
 
 
 def test_hlo_report_sees_a_layer_slice_in_synthetic_hlo():
