@@ -152,7 +152,10 @@ def phase(args) -> dict:
         weights = dummy.dummy_weights(config, mesh=mesh, dtype="bfloat16")
         jax.block_until_ready(weights.tp)
         report = memory_report(weights, config, devices, time.perf_counter() - start)
-        report["step_logits_finite"] = step_logits_finite(weights, config)
+        try:  # the memory figures stand even if the step cannot run
+            report["step_logits_finite"] = step_logits_finite(weights, config)
+        except Exception as error:  # noqa: BLE001 - reported in the JSON, not hidden
+            report["step_error"] = f"{type(error).__name__}: {error}"[:2000]
         return report
     raise ValueError(f"unknown phase {args.phase!r}")
 
