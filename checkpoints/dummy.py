@@ -80,30 +80,31 @@ def _segment_values(key: jax.Array, rows: Int[Array, "n"], other: tuple[int, ...
     return jnp.moveaxis(values, 0, cut)
 
 
-def _generate_block(weight: BlockWeight, shapes: dict, rows: list, seed: int, dtype) -> jax.Array:
-    """Block of ``weight`` whose segments take canonical indices ``rows`` (traced); stacked
-    weights come with their block axis, ``[layers, 1, ...]``."""
-    canonical = shapes[weight.segments[0].tensor]
-    layered = weight.segments[0].tensor.startswith("layers.")
-    cut = weight.cut_axis - 1 if layered else weight.cut_axis
+def _generate_block(tensors: tuple[str, ...], cut_axis: int, stacked: bool, shapes: dict, rows: list,
+                    seed: int, dtype) -> jax.Array:
+    """The block whose segments take canonical indices ``rows`` (traced) of ``tensors`` along
+    ``cut_axis``; ``stacked`` blocks come with their block axis, ``[layers, 1, ...]``."""
+    canonical = shapes[tensors[0]]
+    layered = tensors[0].startswith("layers.")
+    cut = cut_axis - 1 if layered else cut_axis
     per_layer = canonical[1:] if layered else canonical
     other = tuple(size for axis, size in enumerate(per_layer) if axis != cut)
 
     def layer_block(layer):
         parts = []
-        for segment, segment_rows in zip(weight.segments, rows):
-            key = _tensor_key(seed, segment.tensor)
+        for tensor, segment_rows in zip(tensors, rows):
+            key = _tensor_key(seed, tensor)
             if layered:
                 key = jax.random.fold_in(key, layer)
             parts.append(_segment_values(key, segment_rows, other, cut, dtype))
         block = jnp.concatenate(parts, axis=cut)
         # The block axis is added per layer: adding it to the stacked result made XLA keep
         # the stack in a temporary and copy it out (twice the block's memory, on the CPU).
-        return block[None] if weight.stacked else block
+        return block[None] if stacked else block
 
     if not layered:
-        if len(weight.segments) == 1 and _row_chunks(len(rows[0])) > 1:
-            return _chunked_block(_tensor_key(seed, weight.segments[0].tensor), rows[0], other, cut, dtype)
+        if len(tensors) == 1 and _row_chunks(len(rows[0])) > 1:
+            return _chunked_block(_tensor_key(seed, tensors[0]), rows[0], other, cut, dtype)
         return layer_block(None)
     # One layer at a time (lax.map writes each into the stacked output in place), so the
     # float32 temporaries are one layer's block, not the whole stack.
@@ -118,8 +119,9 @@ def _row_chunks(rows: int, most: int = 32) -> int:
 
 def _chunked_block(key: jax.Array, rows: Int[Array, "n"], other: tuple[int, ...], cut: int, dtype) -> jax.Array:
     """A block without layers (the vocabulary's) generated a chunk of rows at a time, so the
-    float32 temporaries are a chunk's, not the block's (a 70B embedding block at tp = 2 is
-    4.2 GB of float32 values, and generating it whole took four times that on the CPU)."""
+    float32 temporaries are a chunk's, not the block's: made whole, XLA's memory analysis on
+    the CPU showed temporaries of 4x the block's float32 size (a 70B embedding block at
+    tp = 2 holds 4.2 GB of float32 values); in chunks, 0.4x its bf16 size."""
     chunks = _row_chunks(rows.shape[0])
     values = lax.map(lambda chunk: _segment_values(key, chunk, other, 0, dtype), rows.reshape(chunks, -1))
     return jnp.moveaxis(values.reshape(rows.shape[0], *other), 0, cut)
@@ -130,16 +132,16 @@ def _block_program(tensors: tuple[str, ...], kind: str, cut_axis: int, shapes: t
                    mesh: Mesh, spec: P):
     """The jitted program making one block array; the index tables are its arguments, so the
     ``sp`` shards of one aliased weight share one executable."""
-    weight = BlockWeight(tensors[0], kind, cut_axis, tuple(Segment(t, np.zeros((1, 1), np.int64)) for t in tensors))
-    axes = spec[weight.block_axis] if len(spec) > weight.block_axis else None
+    stacked = kind != "vocab"
+    block_axis = 1 if stacked else cut_axis  # as BlockWeight.block_axis
+    axes = spec[block_axis] if len(spec) > block_axis else None
 
     def local(*tables):
         # The shard position along the block axis; with a tuple of axes, axis_index
         # linearises them in the spec's order, as the sharding does.
         position = 0 if axes is None else lax.axis_index(axes)
         rows = [table[position] for table in tables]
-        block = _generate_block(weight, dict(shapes), rows, seed, dtype)
-        return block
+        return _generate_block(tensors, cut_axis, stacked, dict(shapes), rows, seed, dtype)
 
     local_fn = jax.shard_map(local, mesh=mesh, in_specs=(P(),) * len(tensors), out_specs=spec)
     return jax.jit(local_fn, out_shardings=NamedSharding(mesh, spec))
