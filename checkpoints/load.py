@@ -106,12 +106,11 @@ class CanonicalReader:
 
     def __init__(self, params_dir: Path, shapes: dict[str, tuple[int, ...]], dtype):
         import orbax.checkpoint as ocp
+        import tensorstore as ts
 
         self.params_dir = Path(params_dir)
         self.shapes = shapes
         self.dtype = np.dtype(dtype)
-        import tensorstore as ts
-
         # A chunk cache as large as the largest tensor: a converted checkpoint stores each
         # tensor as one chunk, and every block of a tensor reads from it in turn (blocks are
         # made tensor by tensor), so it is decoded once instead of once per block.
