@@ -100,6 +100,9 @@ def main():
                       + f"; read floor / step {read_floor / seconds:.0%} (copy-rate floor / step "
                       f"{copy_floor / seconds:.0%}); compile {compile_s:.1f} s", flush=True)
             caches = state["caches"]
+            if args.json:  # after every executable: a timeout keeps what finished
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=2, default=str)
             print(f"   HLO: weight dynamic-slices {report['weight_dynamic_slices']}, copies "
                   f"{report['weight_copies']}, static slices {report['weight_static_slices']}; cache moves "
                   f"{report['cache_moves'] or 'none'}; {report['weight_moves']}", flush=True)
