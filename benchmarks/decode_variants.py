@@ -106,8 +106,8 @@ def main():
             print(f"   HLO: weight dynamic-slices {report['weight_dynamic_slices']}, copies "
                   f"{report['weight_copies']}, static slices {report['weight_static_slices']}; cache moves "
                   f"{report['cache_moves'] or 'none'}; {report['weight_moves']}", flush=True)
-    print("\n| layer loop | sampling | seqs | ms/step (host wall) | device span ms | of read floor | "
-          "of copy-rate floor | compile s |")
+    print("\n| layer loop | sampling | seqs | ms/step (host wall) | device span ms | read floor / step | "
+          "copy-rate floor / step | compile s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results["runs"]:
         span = f"{r['device_span_ms']:.2f}" if r["device_span_ms"] else "-"
