@@ -53,7 +53,12 @@ def size_pool(*, num_pages: int | None, kv_memory_fraction: float | None, fallba
     memory left after the weights already placed and the executables' temporaries
     (``temporary_bytes()``, called only when needed: it compiles a probe step); on a
     backend without memory statistics, ``fallback_pages`` (every sequence slot can reach
-    max_model_len), saying so."""
+    max_model_len), saying so.
+
+    The limit is the JAX allocator's (``bytes_limit``: 75% of the GPU's memory unless JAX is
+    told otherwise). On one H200 (2026-11-29), a 4-layer 1024-wide model took 0.49 GiB of
+    weights and 0.02 GiB of step temporaries, leaving 104.3 of a 104.85 GiB limit: the
+    default pool was 769,280 pages of 16 tokens (93.9 GiB)."""
     if num_pages is not None:
         return PagePool(num_pages, "num_pages", f"KV cache: {num_pages} pages (--num-pages)")
     devices = list(np.asarray(mesh_devices).flat)
