@@ -76,8 +76,7 @@ def find_moves(hlo: str, stack_shapes: set, slice_shapes: set) -> list[dict]:
         operand = re.match(r"\s*%?([\w.\-]+)", rest)
         operand_shape = names.get(operand.group(1)) if operand else None
         if shape in slice_shapes or operand_shape in stack_shapes:
-            found.append({"op": op, "shape": shape, "operand_shape": operand_shape, "computation": computation,
-                          "in_fusion": computation.startswith(("fused_", "fusion")) or ".fused" in computation})
+            found.append({"op": op, "shape": shape, "operand_shape": operand_shape, "computation": computation})
     return found
 
 
