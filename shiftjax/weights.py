@@ -108,7 +108,10 @@ def shard_params(
     """Expands canonical ``params`` into the head-block layout of ``mesh`` and places them.
 
     The canonical arrays may live anywhere (host or device); the expanded blocks are
-    produced on the mesh with their final sharding.
+    produced on the mesh with their final sharding. Placed on the devices, the canonical
+    arrays cost their own memory on top: loaders use :func:`assemble_weights` instead
+    (``checkpoints.load.restore_weights``, ``checkpoints.dummy.dummy_weights``), and their
+    tests compare with this function.
     """
     sp, tp = mesh.shape[SP], mesh.shape[TP]
     layout = head_layout(config.num_heads, config.num_kv_heads, sp, tp)
