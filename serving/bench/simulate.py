@@ -1,0 +1,221 @@
+"""A workload replayed through the real scheduler and shift policy in simulated time.
+
+No model runs. Each step is scheduled by :class:`~shiftjax.serving.scheduler.Scheduler`
+(token budget, decodes first, chunked prefill, pages, preemption), padded to a bucket of
+the engine's :class:`~shiftjax.serving.executables.BucketLadder`, given a mode by
+:class:`~shiftjax.serving.policy.ShiftPolicy` exactly as ``Engine.run_step`` does, and
+then takes the seconds a step-time model says it takes; its sampled tokens are committed
+to their requests at the step's end. Arrivals join the waiting queue at their timestamps
+and are seen by the next ``schedule()``, as in the engine loop. The records are timed as
+the bench client times a streamed request (every sampled token is one chunk), so
+:func:`~shiftjax.serving.bench.metrics.summarize` gives TTFT, TPOT, ITL and throughput by
+vLLM's definitions.
+
+Data parallelism is ``replicas`` independent schedulers, each with its own clock, and each
+arrival goes to the replica :func:`~shiftjax.serving.data_parallel.pick_replica` picks from
+its queued tokens (prompt tokens until the first output token, plus output tokens still
+owed), as ``shiftjax serve --dp`` routes.
+
+What it leaves out: host time between steps (``host_seconds_per_step`` adds a constant),
+sampling output (tokens are 0 and ``ignore_eos`` holds), network and detokenizing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+from shiftjax.serving.bench.metrics import RequestRecord, summarize
+from shiftjax.serving.bench.workloads import read_trace, window_trace
+from shiftjax.serving.data_parallel import pick_replica
+from shiftjax.serving.executables import BucketLadder
+from shiftjax.serving.policy import ShiftPolicy
+from shiftjax.serving.sampling_params import SamplingParams
+from shiftjax.serving.scheduler import Scheduler, SchedulerConfig
+
+# (mode, padded tokens, padded seqs, [(query tokens, seq_len after the step) per real sequence]) -> seconds
+StepSeconds = Callable[[str, int, int, list[tuple[int, int]]], float]
+
+
+@dataclasses.dataclass(frozen=True)
+class SimRequest:
+    """One request: when the client wants to send it (seconds from the start) and its lengths."""
+
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+
+
+def fixed_requests(num_requests: int, input_len: int, output_len: int) -> list[SimRequest]:
+    """``num_requests`` identical requests all wanting to go at time 0 (``max_concurrency``
+    then decides: 1 is the paper's one-request-at-a-time latency run)."""
+    return [SimRequest(0.0, input_len, output_len) for _ in range(num_requests)]
+
+
+def trace_requests(path, *, start_s: float = 0.0, duration_s: float | None = None,
+                   time_scale: float = 1.0) -> list[SimRequest]:
+    """A window of an Azure CSV or JSONL trace, as ``bench serve --dataset trace`` replays it."""
+    window = window_trace(read_trace(path), start_s=start_s, duration_s=duration_s, time_scale=time_scale)
+    return [SimRequest(r.arrival_s, r.prompt_len, r.output_len) for r in window]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLog:
+    replica: int
+    start_s: float
+    seconds: float
+    mode: str
+    num_tokens: int  # scheduled (unpadded)
+    bucket: tuple[int, int]
+    num_seqs: int
+    waiting: int  # queue length when it was scheduled
+
+
+@dataclasses.dataclass
+class SimResult:
+    records: list[RequestRecord]
+    steps: list[StepLog]
+    duration_s: float  # first send to last completion, the bench's duration
+    preemptions: int
+
+    def summary(self, goodput_slos_ms: dict[str, float] | None = None) -> dict:
+        out = summarize(self.records, self.duration_s, goodput_slos_ms)
+        out["steps"] = len(self.steps)
+        out["steps_by_mode"] = {m: sum(s.mode == m for s in self.steps) for m in sorted({s.mode for s in self.steps})}
+        out["preemptions"] = self.preemptions
+        return out
+
+
+@dataclasses.dataclass
+class _Replica:
+    index: int
+    scheduler: Scheduler
+    policy: ShiftPolicy
+    clock: float = 0.0
+    queued_tokens: int = 0
+    live: int = 0
+
+
+def simulate(requests: Sequence[SimRequest], *, scheduler_config: SchedulerConfig, ladder: BucketLadder,
+             make_policy: Callable[[], ShiftPolicy], step_seconds: StepSeconds, replicas: int = 1,
+             max_concurrency: int | None = None, host_seconds_per_step: float = 0.0) -> SimResult:
+    """Replays ``requests`` (any order; sent by arrival time, at most ``max_concurrency`` in
+    flight, as ``bench serve --max-concurrency`` holds them back) and returns what a bench
+    client would have recorded. ``make_policy`` builds one policy per replica (the
+    ``alternate`` policy keeps state)."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1 or None, got {max_concurrency}")
+    order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_s, i))
+    limit = max_concurrency or math.inf
+    pool = [_Replica(r, Scheduler(scheduler_config), make_policy()) for r in range(replicas)]
+    records = {i: RequestRecord(i, requests[i].prompt_len, requests[i].output_len,
+                                scheduled_at=requests[i].arrival_s) for i in range(len(requests))}
+    owner: dict[int, tuple[_Replica, int]] = {}  # id(Request) -> (replica, record index)
+    last_chunk: dict[int, float] = {}
+    steps: list[StepLog] = []
+    next_send = 0  # index into order
+    in_flight = 0
+    free_at = 0.0  # when the client last got a concurrency slot back
+
+    def send(index: int, now: float) -> None:
+        nonlocal in_flight
+        spec = requests[index]
+        record = records[index]
+        record.sent_at = now
+        loads = [r.queued_tokens for r in pool]
+        replica = pool[pick_replica(loads, [r.live for r in pool])]
+        if not replica.scheduler.has_work:
+            replica.clock = max(replica.clock, now)
+        request = replica.scheduler.add([1] * spec.prompt_len,
+                                        SamplingParams(max_tokens=spec.output_len, ignore_eos=True))
+        owner[id(request)] = (replica, index)
+        replica.queued_tokens += spec.prompt_len + spec.output_len
+        replica.live += 1
+        in_flight += 1
+
+    def send_time() -> float:
+        if next_send >= len(order) or in_flight >= limit:
+            return math.inf
+        return max(requests[order[next_send]].arrival_s, free_at)
+
+    while True:
+        busy = [(r.clock, r.index) for r in pool if r.scheduler.has_work]
+        step_at = min(busy)[0] if busy else math.inf
+        arrival = send_time()
+        if arrival == math.inf and step_at == math.inf:
+            break
+        if arrival <= step_at:  # the queue sees it before that step is scheduled
+            send(order[next_send], arrival)
+            next_send += 1
+            continue
+        replica = pool[min(busy)[1]]
+        scheduler = replica.scheduler
+        waiting = len(scheduler.waiting)
+        scheduled = scheduler.schedule()
+        if scheduled is None:  # work, but nothing fits (pages): nothing would ever free them
+            raise RuntimeError(f"replica {replica.index} has requests but cannot schedule any step: "
+                               "the page pool is too small for one request")
+        seqs = len(scheduled.requests)
+        bucket = ladder.pick(scheduled.num_tokens, seqs)
+        mode = replica.policy.choose(*bucket)
+        batch = scheduled.batch
+        shape = [(int(batch.query_start[b + 1] - batch.query_start[b]), int(batch.seq_lens[b])) for b in range(seqs)]
+        seconds = step_seconds(mode, bucket[0], bucket[1], shape) + host_seconds_per_step
+        start = replica.clock
+        replica.clock = end = start + seconds
+        steps.append(StepLog(replica.index, start, seconds, mode, scheduled.num_tokens, bucket, seqs, waiting))
+        sampled = [r for r, s in zip(scheduled.requests, scheduled.samples) if s]
+        prompt_done = {id(r) for r in sampled if not r.output_ids}
+        finished = scheduler.commit(scheduled, [0] * seqs, [0.0] * seqs, mode)
+        for request in scheduled.requests:
+            records[owner[id(request)][1]].modes.append(mode)
+        for request in sampled:
+            index = owner[id(request)][1]
+            record = records[index]
+            if id(request) in prompt_done:
+                record.ttft = end - record.sent_at
+                replica.queued_tokens -= requests[index].prompt_len
+            else:
+                record.itl.append(end - last_chunk[index])
+            last_chunk[index] = end
+            record.output_tokens += 1
+            replica.queued_tokens -= 1
+        for request in finished:
+            index = owner[id(request)][1]
+            record = records[index]
+            record.e2el = end - record.sent_at
+            record.success = True
+            replica.live -= 1
+            in_flight -= 1
+            free_at = max(free_at, end)
+    done = [r for r in records.values() if r.success]
+    if len(done) != len(requests):
+        raise RuntimeError(f"{len(requests) - len(done)} requests never finished")
+    first = min(r.sent_at for r in done)
+    last = max(r.sent_at + r.e2el for r in done)
+    return SimResult([records[i] for i in range(len(requests))], steps, last - first,
+                     sum(r.scheduler.num_preemptions for r in pool))
+
+
+def measured_run_seconds(ladder: BucketLadder, modes: Sequence[str], step_seconds: StepSeconds) -> dict:
+    """What ``executables.time_executables`` would record for each bucket: the step time of an
+    all-padding batch (no sequence attends to anything), keyed ``(mode, tokens, seqs)``."""
+    return {(mode, t, b): step_seconds(mode, t, b, []) for mode in modes for t, b in ladder.pairs()}
+
+
+def timeline(steps: Sequence[StepLog], interval_s: float) -> list[dict]:
+    """Per interval: steps and tokens by mode and the mean queue length, for a time-line plot."""
+    if interval_s <= 0:
+        raise ValueError(f"interval_s must be > 0, got {interval_s}")
+    bins: dict[int, dict] = {}
+    for step in steps:
+        row = bins.setdefault(int(step.start_s // interval_s), {"steps": {}, "tokens": {}, "waiting": []})
+        row["steps"][step.mode] = row["steps"].get(step.mode, 0) + 1
+        row["tokens"][step.mode] = row["tokens"].get(step.mode, 0) + step.num_tokens
+        row["waiting"].append(step.waiting)
+    return [{"t_s": k * interval_s, "steps": v["steps"], "tokens": v["tokens"],
+             "mean_waiting": sum(v["waiting"]) / len(v["waiting"])} for k, v in sorted(bins.items())]
+
