@@ -126,6 +126,18 @@ def test_every_mode_gives_the_same_greedy_tokens(engines, tp_outputs, mode):
         assert set(engine.executables.run_seconds) == set(engine.executables.compiled)
 
 
+def test_auto_with_a_threshold_runs_sp_from_the_threshold_up(engines, tp_outputs):
+    engine = engines(mode="auto", shift_threshold=16)
+    assert not engine.executables.run_seconds  # a threshold needs no timing
+    requests = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    reports = []
+    while not all(r.finished for r in requests):
+        reports.append(engine.run_step())
+    assert [r.output_ids for r in requests] == tp_outputs
+    assert [report.mode for report in reports] == ["sp" if report.bucket[0] >= 16 else "tp" for report in reports]
+    assert {report.mode for report in reports} == {"tp", "sp"}
+
+
 @pytest.fixture
 def preemptions(monkeypatch):
     """Preemptions counted from outside the scheduler (``Scheduler._preempt`` wrapped), to
