@@ -366,18 +366,29 @@ def workloads(smoke: bool, trace: str, trace_start: float, trace_duration: float
 
 
 def markdown(report: dict) -> str:
+    """The check, the step times and the simulations as markdown tables (every 8-GPU figure projected)."""
     lines = ["| step (Llama-3.1-8B, 2x H200) | measured ms | predicted ms | error |", "|---|---|---|---|"]
     lines += [f"| {r['step']} | {r['measured_ms']:.2f} | {r['predicted_ms']:.2f} | {r['error_pct']:+.1f}% |"
               for r in report["check_2gpu"]]
-    lines += ["", "| workload | deployment | TTFT mean / p99 ms | TPOT mean / p99 ms | total tok/s | steps by mode | paper TTFT / TPOT / tok/s |",
+    shapes = list(next(iter(report["steps"].values())))
+    lines += ["", "| projected step ms (gemm / attention / collectives) | " + " | ".join(shapes) + " |",
+              "|---" * (len(shapes) + 1) + "|"]
+    for name, row in report["steps"].items():
+        cells = [f"**{c['total']:.1f}** ({c['gemm']:.1f} / {c['attention']:.1f} / {c['collectives']:.1f})"
+                 for c in row.values()]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "| workload | deployment | TTFT mean / p99 ms | TPOT mean / p99 ms | total tok/s | steps by mode | paper |",
               "|---|---|---|---|---|---|---|"]
     for workload, rows in report["simulations"].items():
         for name, r in rows.items():
-            paper = PAPER.get(name.split("-")[0]) if workload.startswith("s") else None
-            paper_text = f"{paper[0]} / {paper[1]} / {paper[2] / 1e3:.1f}k" if paper else ""
+            paper, text = PAPER.get(name), ""
+            if paper and workload.startswith("single"):
+                text = f"TTFT {paper[0]} / TPOT {paper[1]}"
+            elif paper and workload.startswith("saturation"):
+                text = f"{paper[2] / 1e3:.1f}k tok/s"
             lines.append(f"| {workload} | {name} | {r['ttft']['mean_ms']:.1f} / {r['ttft']['p99_ms']:.1f} | "
                          f"{r['tpot']['mean_ms']:.2f} / {r['tpot']['p99_ms']:.2f} | "
-                         f"{r['total_token_throughput'] / 1e3:.1f}k | {r['steps_by_mode']} | {paper_text} |")
+                         f"{r['total_token_throughput'] / 1e3:.1f}k | {r['steps_by_mode']} | {text} |")
     return "\n".join(lines) + "\n"
 
 
@@ -392,16 +403,19 @@ def main() -> int:
     parser.add_argument("--time-scales", type=float, nargs="+", default=[0.5, 0.25])
     parser.add_argument("--sp-weights", choices=("contiguous", "split"), default="contiguous")
     parser.add_argument("--deployments", nargs="+", default=list(DEPLOYMENTS), choices=list(DEPLOYMENTS))
+    parser.add_argument("--hop-us", type=float, default=NCCL_RING_HOP_S * 1e6,
+                        help="latency per extra ring step; negative: all of the 2-GPU latency grows with the steps")
     parser.add_argument("--smoke", action="store_true", help="synthetic collectives, tiny workloads")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
-    sys.path.insert(0, str(HERE.parent.parent))  # not needed when shiftjax is installed
     steps_1gpu = json.loads(Path(args.steps_1gpu).read_text())["steps_1gpu"]
     if args.smoke:
         data = synthetic_collectives()
         ar, a2a = (fit_collective(k, data["bytes_per_device"], data[f"{k}_s"]) for k in ("all_reduce", "all_to_all"))
     else:
         ar, a2a = load_collectives(args.collectives)
+    ar, a2a = (dataclasses.replace(f, hop_s=f.latency_s / f.ring_steps(2) if args.hop_us < 0 else args.hop_us * 1e-6)
+               for f in (ar, a2a))
     model = StepModel(LLAMA3_70B, Hardware(), fit_attention(steps_1gpu), ar, a2a)
     report = {"projected": True, "synthetic_collectives": args.smoke, "collectives_file": args.collectives,
               "fits": {"all_reduce": dataclasses.asdict(ar), "all_to_all": dataclasses.asdict(a2a),
@@ -410,10 +424,11 @@ def main() -> int:
     shapes = {"decode 1 x 4k": (16, 1, [(1, 4097)]), "decode 64 x 4k": (64, 64, [(1, 4200)] * 64),
               "decode 256 x 4k": (256, 256, [(1, 4200)] * 256), "prefill 4096": (4096, 1, [(4096, 4096)]),
               "prefill 2 x 4096": (8192, 2, [(4096, 4096)] * 2)}
-    for name, (dep, _, _) in DEPLOYMENTS.items():
-        for mode in ("tp", "sp") if dep.sp > 1 else ("tp",):
-            report["steps"][f"{name} {mode}"] = {k: {c: v * 1e3 for c, v in model.breakdown(dep, mode, *s).items()}
-                                                 for k, s in shapes.items()}
+    meshes = [(Deployment("TP", 1, 8), "tp"), (Deployment("SP, Shift", 4, 2), "tp"), (Deployment("SP, Shift", 4, 2), "sp"),
+              (Deployment("sp=8 (bf16 does not fit)", 8, 1), "sp"), (Deployment("DP replica", 1, 2), "tp")]
+    for dep, mode in meshes:
+        report["steps"][f"{dep.name}: ({dep.sp}, {dep.tp}) {mode} mode"] = {
+            k: {c: v * 1e3 for c, v in model.breakdown(dep, mode, *shape).items()} for k, shape in shapes.items()}
     for workload, (requests, concurrency) in workloads(args.smoke, args.trace, args.trace_start,
                                                         args.trace_duration, args.time_scales).items():
         report["simulations"][workload] = {}
