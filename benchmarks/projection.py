@@ -400,7 +400,8 @@ def main() -> int:
     parser.add_argument("--trace", default=str(HERE.parent.parent / "shared/traces/azure2023_code.csv"))
     parser.add_argument("--trace-start", type=float, default=600.0)
     parser.add_argument("--trace-duration", type=float, default=600.0)
-    parser.add_argument("--time-scales", type=float, nargs="+", default=[0.5, 0.25])
+    parser.add_argument("--time-scales", type=float, nargs="*", default=[1.0, 0.5],
+                        help="one Azure replay per scale; none: skip the trace")
     parser.add_argument("--sp-weights", choices=("contiguous", "split"), default="contiguous")
     parser.add_argument("--deployments", nargs="+", default=list(DEPLOYMENTS), choices=list(DEPLOYMENTS))
     parser.add_argument("--hop-us", type=float, default=NCCL_RING_HOP_S * 1e6,

@@ -229,3 +229,23 @@ def test_projection_smoke_writes_its_report(tmp_path):
     report = json.loads((tmp_path / "projection.json").read_text())
     assert report["projected"] and report["synthetic_collectives"]
     assert set(next(iter(report["simulations"].values()))) == set(pj.DEPLOYMENTS)
+
+
+def test_a_full_admission_queue_fails_the_request_as_the_bench_counts_it():
+    ladder = BucketLadder((16, 64), (1, 4))
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, max_model_len=256, page_size=16,
+                             num_pages=64, max_queue=1)
+    requests = [sim.SimRequest(0.0, 10, 2)] * 3  # all at once: one queued, the others refused
+    result = sim.simulate(requests, scheduler_config=config, ladder=ladder, step_seconds=lambda *a: 1e-3,
+                          make_policy=lambda: ShiftPolicy("tp", ("tp",), {}))
+    assert [r.success for r in result.records] == [True, False, False]
+    assert "queue is full" in result.records[1].error
+    assert result.summary()["failed"] == 2
+
+
+def test_trace_requests_window_and_scale(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:00.0000000,100,5\n"
+                     "2023-11-16 18:17:02.0000000,200,0\n2023-11-16 18:17:10.0000000,300,7\n")
+    requests = sim.trace_requests(trace, duration_s=5.0, time_scale=0.5)
+    assert requests == [sim.SimRequest(0.0, 100, 5), sim.SimRequest(1.0, 200, 1)]

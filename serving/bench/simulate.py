@@ -17,7 +17,8 @@ its queued tokens (prompt tokens until the first output token, plus output token
 owed), as ``shiftjax serve --dp`` routes.
 
 What it leaves out: host time between steps (``host_seconds_per_step`` adds a constant),
-sampling output (tokens are 0 and ``ignore_eos`` holds), network and detokenizing.
+sampling output (tokens are 0 and ``ignore_eos`` holds), network and detokenizing. A
+request refused with a full admission queue is a failed record, as the bench counts it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from shiftjax.serving.data_parallel import pick_replica
 from shiftjax.serving.executables import BucketLadder
 from shiftjax.serving.policy import ShiftPolicy
 from shiftjax.serving.sampling_params import SamplingParams
-from shiftjax.serving.scheduler import Scheduler, SchedulerConfig
+from shiftjax.serving.scheduler import QueueFull, Scheduler, SchedulerConfig
 
 # (mode, padded tokens, padded seqs, [(query tokens, seq_len after the step) per real sequence]) -> seconds
 StepSeconds = Callable[[str, int, int, list[tuple[int, int]]], float]
@@ -129,8 +130,12 @@ def simulate(requests: Sequence[SimRequest], *, scheduler_config: SchedulerConfi
         replica = pool[pick_replica(loads, [r.live for r in pool])]
         if not replica.scheduler.has_work:
             replica.clock = max(replica.clock, now)
-        request = replica.scheduler.add([1] * spec.prompt_len,
-                                        SamplingParams(max_tokens=spec.output_len, ignore_eos=True))
+        try:
+            request = replica.scheduler.add([1] * spec.prompt_len,
+                                            SamplingParams(max_tokens=spec.output_len, ignore_eos=True))
+        except QueueFull as error:  # the server answers RESOURCE_EXHAUSTED; the bench counts a failure
+            record.error = str(error)
+            return
         owner[id(request)] = (replica, index)
         replica.queued_tokens += spec.prompt_len + spec.output_len
         replica.live += 1
@@ -192,8 +197,11 @@ def simulate(requests: Sequence[SimRequest], *, scheduler_config: SchedulerConfi
             in_flight -= 1
             free_at = max(free_at, end)
     done = [r for r in records.values() if r.success]
-    if len(done) != len(requests):
-        raise RuntimeError(f"{len(requests) - len(done)} requests never finished")
+    lost = [r.index for r in records.values() if not r.success and not r.error]
+    if lost:
+        raise RuntimeError(f"requests {lost[:5]}... never finished")
+    if not done:
+        raise RuntimeError("no request finished (every one was refused)")
     first = min(r.sent_at for r in done)
     last = max(r.sent_at + r.e2el for r in done)
     return SimResult([records[i] for i in range(len(requests))], steps, last - first,
