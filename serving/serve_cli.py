@@ -35,6 +35,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--grace-seconds", type=float, default=30.0,
                        help="on SIGTERM/SIGINT, how long running requests may take to finish")
     group.add_argument("--served-model-name", default=None, help="the model name both front ends report")
+    group.add_argument("--dp", type=int, default=1, metavar="P",
+                       help="data parallel: P engines of one device each (devices 0..P-1) behind this one endpoint, "
+                            "each request routed to the engine with the fewest queued tokens; needs --sp 1 --tp 1")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,8 +52,10 @@ def _parser() -> argparse.ArgumentParser:
 def _build_service(args, observer):
     """The integration point with serving/engine_args.py: the engine service the parsed
     engine options describe, with ``observer`` receiving its events. Runs on a thread."""
-    from shiftjax.serving.engine_args import build_service
+    from shiftjax.serving.engine_args import build_data_parallel_service, build_service
 
+    if args.dp > 1:
+        return build_data_parallel_service(args, observer=observer)
     return build_service(args, observer=observer)
 
 
@@ -71,6 +76,13 @@ def _read_secrets(parser, args) -> tuple[tuple[bytes, bytes] | None, str | None]
 def serve_main(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.dp < 1:
+        parser.error(f"--dp must be at least 1, got {args.dp}")
+    if args.dp > 1 and (args.sp > 1 or args.tp > 1):
+        parser.error(f"--dp {args.dp} runs engines of one device each and cannot be combined with "
+                     f"--sp {args.sp} --tp {args.tp}; give --sp 1 --tp 1 (or drop --dp for one sp x tp engine)")
+    if args.dp > 1 and args.num_processes > 1:
+        parser.error("--dp runs its engines in one process; drop --num-processes/--coordinator")
     tls, api_key = _read_secrets(parser, args)
     # Our own lines at INFO; libraries (absl via orbax logs every restore step) at WARNING.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -183,8 +195,10 @@ async def _ready_or_stop(service, stop: asyncio.Event) -> bool:
 def _log_startup(service, seconds: float) -> None:
     info = service.info()  # layout: serving/service_info.py
     mesh, pool, startup = info.get("mesh", {}), info.get("page_pool", {}), info.get("startup", {})
-    log.info("model %s on an sp %s x tp %s mesh of %s %s devices; modes %s, policy %s; ready in %.1f s",
-             info.get("model"), mesh.get("sp"), mesh.get("tp"), mesh.get("devices"), mesh.get("platform"),
+    where = (f"{mesh['dp']} data-parallel replicas of one {mesh.get('platform')} device each" if mesh.get("dp")
+             else f"an sp {mesh.get('sp')} x tp {mesh.get('tp')} mesh of {mesh.get('devices')} {mesh.get('platform')} "
+                  f"devices")
+    log.info("model %s on %s; modes %s, policy %s; ready in %.1f s", info.get("model"), where,
              ",".join(info.get("modes", ())), info.get("policy", {}).get("name"), seconds)
     log.info("executables: %s, %s loaded from the compilation cache, %.1f s compiling", startup.get("executables"),
              startup.get("cache_hits"), float(startup.get("compile_seconds") or 0.0))

@@ -1,0 +1,317 @@
+"""Data parallelism behind one endpoint: P engine services of one device each, one
+:class:`protocol.EngineService` in front of them (``shiftjax serve --dp P``).
+
+DP is the baseline the project measures Shift against (DESIGN.md, "Engine and server"):
+each replica holds the whole model on its own device, its own page pool and its own
+scheduler; nothing is shared between replicas but the tokenizer and the front ends.
+:class:`DataParallelService` routes each request to the replica with the fewest *queued
+tokens* and otherwise only forwards (stream, cancel) and sums (stats).
+
+Queued tokens of a replica: for each request routed to it and not yet finished, its
+prompt tokens until its first output token arrives (the prefill still owed), plus
+``max_tokens`` minus the tokens already streamed (the decode still owed). Both kinds are
+what the scheduler's per-step token budget is spent on, so the sum is the budget a
+replica must still spend on work it already has; requests of very different lengths
+weigh what they cost, which counting requests would not. The remaining decode is an upper
+bound (EOS may come sooner); a preempted request's recompute is not seen. The figure is
+kept here, on the caller's loop, from what was routed and what has streamed back, not
+read from the engines' schedulers: those belong to the engine threads (reading their
+deques from another thread can fail mid-mutation), and the requests still in a replica's
+inbox, which no scheduler has seen yet, are exactly the ones a burst of submits must see.
+Ties go to the replica with fewer live requests, then to the lower index.
+
+Why one process rather than P server processes behind a router: one tokenizer, one port,
+the same front ends (gRPC, HTTP, metrics, health, drain) over one more ``EngineService``,
+no inter-process hop for every streamed delta, and the router sees each delta as it
+passes, so its token counts cost nothing to keep. The risk is the GIL: every engine's
+host work (scheduling, padding, detokenizing) runs in the same interpreter. An engine
+thread releases the GIL while XLA runs and while it waits for the step's result, so the
+replicas' device work overlaps, but their host work does not. Measured by
+``benchmarks/dp_host_time.py`` on CPU devices (numbers in its docstring): see there
+before running many replicas of a small model, whose steps are mostly host time. P
+processes stay the way out where that bites (a router in front of ``shiftjax serve``
+instances); nothing here prevents it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from shiftjax.serving.errors import InvalidRequest, Overloaded, Unavailable
+from shiftjax.serving.protocol import Delta, GenerationRequest, ServiceStats
+
+
+@dataclasses.dataclass(eq=False)
+class _Routed:
+    """A request in flight on one replica, and the tokens it still owes there."""
+
+    replica: int
+    prompt_tokens: int  # until the first output token: the prefill still to run
+    output_tokens_left: int
+
+    @property
+    def queued_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens_left
+
+
+def pick_replica(queued_tokens: Sequence[int], live_requests: Sequence[int],
+                 candidates: Sequence[int] | None = None) -> int:
+    """The index of the replica with the fewest queued tokens among ``candidates`` (default
+    all); ties to fewer live requests, then to the lower index."""
+    indices = range(len(queued_tokens)) if candidates is None else candidates
+    return min(indices, key=lambda i: (queued_tokens[i], live_requests[i], i))
+
+
+class DataParallelService:
+    """:class:`protocol.EngineService` over ``replicas``, each an engine service of its own
+    (normally an :class:`AsyncEngineService` on one device; ``Sequence[EngineService]``,
+    unannotated since a Protocol cannot be checked at run time). ``devices`` names each
+    replica's device for :meth:`info` (default: read off the replica's engine).
+
+    ``submit`` may be called from any thread or loop; the routing table is guarded by a
+    lock held only for dictionary updates.
+    """
+
+    def __init__(self, replicas: Sequence, tokenizer, *, model_name: str = "default",
+                 devices: Sequence[str] | None = None):
+        if not replicas:
+            raise ValueError("a data-parallel service needs at least one replica")
+        self.replicas = list(replicas)
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self._devices = list(devices) if devices is not None else None
+        self._lock = threading.Lock()
+        self._routes: dict[str, _Routed] = {}
+        self._routed_total = [0] * len(self.replicas)
+        self._ids = itertools.count()
+        self._draining = False
+
+    # --- readiness and lifecycle -------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return all(getattr(r, "ready", True) for r in self.replicas)
+
+    def wait_ready(self, timeout: float | int | None = None) -> bool:
+        """True once every replica is built (each raises what its start-up raised); with a
+        timeout, the time is shared, not given to each replica."""
+        give_up = None if timeout is None else time.monotonic() + timeout
+        for replica in self.replicas:
+            left = None if give_up is None else max(give_up - time.monotonic(), 0.0)
+            if not replica.wait_ready(left):
+                return False
+        return True
+
+    async def drain(self, grace_seconds: float | int) -> int:
+        """As :meth:`AsyncEngineService.drain`, on every replica at once; returns how many
+        requests were aborted in all."""
+        self._draining = True
+        return sum(await asyncio.gather(*(r.drain(grace_seconds) for r in self.replicas)))
+
+    def shutdown(self, timeout: float | int | None = 30.0) -> None:
+        self._draining = True
+        for replica in self.replicas:
+            replica.shutdown(timeout)
+
+    # --- the EngineService contract ----------------------------------------------------
+
+    def queued_tokens(self) -> list[int]:
+        """Per replica, the tokens its routed, unfinished requests still owe (module docstring)."""
+        with self._lock:
+            return self._queued_tokens_locked()
+
+    def _queued_tokens_locked(self) -> list[int]:
+        queued = [0] * len(self.replicas)
+        for routed in self._routes.values():
+            if routed.replica >= 0:  # -1: reserved by a submit that has not picked yet
+                queued[routed.replica] += routed.queued_tokens
+        return queued
+
+    def _live_locked(self) -> list[int]:
+        live = [0] * len(self.replicas)
+        for routed in self._routes.values():
+            if routed.replica >= 0:
+                live[routed.replica] += 1
+        return live
+
+    def submit(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        """Routes ``request`` to the replica with the fewest queued tokens; if that one's
+        waiting queue is full, to the next fewest, and :class:`Overloaded` only when every
+        replica refuses. Refusals for the request itself (:class:`InvalidRequest`) are
+        raised at once, whichever replica raised them."""
+        if self._draining:
+            raise Unavailable("the server is shutting down and takes no new requests")
+        if not self.ready:
+            raise Unavailable("the engines are still starting (compiling their executables); retry shortly")
+        with self._lock:
+            request_id = request.request_id or f"req-{next(self._ids)}"
+            if request_id in self._routes:
+                raise InvalidRequest("request_id", f"{request_id!r} is already in flight; use a unique id")
+            queued, live = self._queued_tokens_locked(), self._live_locked()
+            routed = _Routed(-1, len(request.prompt_ids), request.params.max_tokens)
+            self._routes[request_id] = routed  # reserves the id while a replica validates
+        request = dataclasses.replace(request, request_id=request_id)
+        candidates = list(range(len(self.replicas)))
+        refusal: Overloaded | None = None
+        while candidates:
+            index = pick_replica(queued, live, candidates)
+            candidates.remove(index)
+            with self._lock:
+                routed.replica = index  # counted at once: a burst of submits spreads
+            try:
+                stream = self.replicas[index].submit(request)
+            except Overloaded as error:
+                refusal = error
+                continue
+            except BaseException:
+                self._forget(request_id)
+                raise
+            with self._lock:
+                self._routed_total[index] += 1
+            return _RoutedStream(self, request_id, routed, stream)
+        self._forget(request_id)
+        raise Overloaded(f"every replica's waiting queue is full ({refusal}); retry later")
+
+    def _account(self, routed: _Routed, delta: Delta) -> None:
+        with self._lock:
+            if delta.token_ids:
+                routed.prompt_tokens = 0
+                routed.output_tokens_left = max(routed.output_tokens_left - len(delta.token_ids), 0)
+            if delta.finish_reason is not None:
+                routed.prompt_tokens = routed.output_tokens_left = 0
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._routes.pop(request_id, None)
+
+    def cancel(self, request_id: str) -> bool:
+        with self._lock:
+            routed = self._routes.get(request_id)
+        if routed is None or routed.replica < 0:
+            return False
+        return self.replicas[routed.replica].cancel(request_id)
+
+    def stats(self) -> ServiceStats:
+        """The replicas' stats summed (steps too: steps run on P devices at once); ready
+        when every replica is, draining when any is."""
+        each = [r.stats() for r in self.replicas]
+        return ServiceStats(
+            running=sum(s.running for s in each), waiting=sum(s.waiting for s in each),
+            num_pages=sum(s.num_pages for s in each), free_pages=sum(s.free_pages for s in each),
+            steps=sum(s.steps for s in each), switches=sum(s.switches for s in each),
+            preemptions=sum(s.preemptions for s in each),
+            tokens_by_mode=_sum_counts(s.tokens_by_mode for s in each),
+            steps_by_mode=_sum_counts(s.steps_by_mode for s in each),
+            ready=all(s.ready for s in each), draining=self._draining or any(s.draining for s in each))
+
+    def info(self) -> dict:
+        """Replica 0's info (model, config, modes, buckets, policy, limits: the same on
+        every replica), with the mesh saying ``dp``, the page pool summed, start-up
+        figures summed, and ``replicas``: each one's device, queued tokens, requests
+        routed to it, running, waiting, pages and steps."""
+        each_stats = [r.stats() for r in self.replicas]
+        each_info = [r.info() for r in self.replicas]
+        with self._lock:
+            queued, live, routed = self._queued_tokens_locked(), self._live_locked(), list(self._routed_total)
+        info = dict(each_info[0])
+        info["model"] = self.model_name
+        info["ready"] = all(s.ready for s in each_stats)
+        mesh = dict(info.get("mesh", {}))
+        mesh.update(dp=len(self.replicas), devices=sum(int(i.get("mesh", {}).get("devices", 1)) for i in each_info))
+        info["mesh"] = mesh
+        if "page_pool" in info:
+            pool = info["page_pool"]
+            info["page_pool"] = {**pool, "num_pages": sum(s.num_pages for s in each_stats),
+                                 "free_pages": sum(s.free_pages for s in each_stats),
+                                 "explanation": f"summed over {len(self.replicas)} replicas, a pool each; replica 0: "
+                                                f"{pool.get('explanation') or pool.get('sized_by')}"}
+        if "startup" in info:
+            startups = [i.get("startup", {}) for i in each_info]
+            info["startup"] = {
+                "executables": sum(s.get("executables", 0) for s in startups),
+                "cache_hits": sum(s.get("cache_hits", 0) for s in startups),
+                "compile_seconds": max(float(s.get("compile_seconds") or 0.0) for s in startups),  # concurrent
+                "compile_seconds_summed": sum(float(s.get("compile_seconds_summed") or 0.0) for s in startups)}
+        info["routing"] = "fewest queued tokens (prompt tokens not yet prefilled + max_tokens not yet streamed)"
+        info["replicas"] = [
+            {"index": i, "device": self._devices[i] if self._devices else _device_of(self.replicas[i]),
+             "queued_tokens": queued[i], "live_requests": live[i],
+             "routed_requests": routed[i], "running": s.running, "waiting": s.waiting,
+             "num_pages": s.num_pages, "free_pages": s.free_pages, "steps": s.steps, "ready": s.ready}
+            for i, s in enumerate(each_stats)]
+        return info
+
+
+class _RoutedStream:
+    """What :meth:`DataParallelService.submit` returns: the replica's stream, passed
+    through while the request's queued tokens are counted down. An object rather than an
+    async generator so that ``aclose()`` forgets the route and closes the replica's
+    stream even when the stream was never started (a generator's ``finally`` would not
+    run then, and the route would weigh on its replica for ever)."""
+
+    def __init__(self, service: DataParallelService, request_id: str, routed: _Routed, stream):
+        self._service, self._request_id, self._routed, self._stream = service, request_id, routed, stream
+        self._closed = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Delta:
+        try:
+            delta = await self._stream.__anext__()
+        except BaseException:  # the end, a failure or a cancellation: forget it either way
+            await self.aclose()
+            raise
+        self._service._account(self._routed, delta)
+        return delta
+
+    async def aclose(self) -> None:
+        """Closed early: the replica cancels the request and frees its pages."""
+        if not self._closed:
+            self._closed = True
+            self._service._forget(self._request_id)
+            await self._stream.aclose()
+
+
+def _sum_counts(dicts) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for counts in dicts:
+        for key, value in counts.items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
+def _device_of(replica) -> str:
+    """The replica's device, read off its engine's mesh once it is built ('?' before)."""
+    engine = getattr(replica, "engine", None)
+    if engine is None:
+        return "?"
+    return ",".join(str(d) for d in engine.weights.mesh.devices.flat)
+
+
+class StartupSummer:
+    """An :class:`EngineObserver` in front of another that sums the replicas'
+    ``on_startup`` reports (executables and cache hits added, compile seconds the longest:
+    the replicas compile at once) and passes every other hook through."""
+
+    def __init__(self, observer):
+        self._observer = observer
+        self._lock = threading.Lock()
+        self._totals = dict(compile_seconds=0.0, executables=0, cache_hits=0)
+
+    def on_startup(self, *, compile_seconds: float, executables: int, cache_hits: int) -> None:
+        with self._lock:
+            totals = self._totals
+            totals["compile_seconds"] = max(totals["compile_seconds"], compile_seconds)
+            totals["executables"] += executables
+            totals["cache_hits"] += cache_hits
+            report = dict(totals)
+        self._observer.on_startup(**report)  # running totals, so a gauge is never behind
+
+    def __getattr__(self, name):
+        return getattr(self._observer, name)
