@@ -15,6 +15,7 @@ import time
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
+from jaxtyping import Int
 
 from shiftjax.batch import StepBatch, empty_batch
 from shiftjax.cache import KVCache
@@ -253,7 +254,7 @@ class StepResult:
     top_logprobs: np.ndarray  # [seqs, K] float32
 
 
-def unpack_host(packed: np.ndarray) -> StepResult:
+def unpack_host(packed: Int[np.ndarray, "seqs columns"]) -> StepResult:
     k = (packed.shape[1] - 2) // 2
     return StepResult(tokens=packed[:, 0], logprobs=packed[:, 1].copy().view(np.float32),
                       top_ids=packed[:, 2:2 + k], top_logprobs=packed[:, 2 + k:].copy().view(np.float32))

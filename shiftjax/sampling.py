@@ -74,7 +74,9 @@ def filter_logits(
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
-def _gumbel_max(filtered, seed, step_of_seq):
+def _gumbel_max(
+    filtered: Float[Array, "seqs vocab"], seed: Int[Array, "seqs"], step_of_seq: Int[Array, "seqs"]
+) -> Int[Array, "seqs"]:
     """A draw from ``softmax(filtered)`` per row, with one key per row."""
     vocab = filtered.shape[-1]
 
