@@ -75,8 +75,13 @@ def test_a_second_start_loads_every_executable_from_the_compilation_cache(tmp_pa
     assert completions(second)[0]["stop_reason"] == stop
 
 
-def test_no_compilation_cache_compiles_everything():
-    result = shiftjax("generate", *SMALL, *PROMPTS[:2], "--cpu-devices", "1", "--no-compilation-cache")
+def test_dummy_weights_without_the_compilation_cache():
+    from shiftjax.checkpoints.default_model import default_model_path
+
+    config = default_model_path() / "config.json"  # the default model's shape, random weights
+    result = shiftjax("generate", *SMALL, *PROMPTS[:2], "--cpu-devices", "1", "--no-compilation-cache",
+                      "--load-format", "dummy", "--model", str(config))
     assert compile_report(result.stderr) == (2, 0)
     assert "report no memory statistics" in result.stderr  # the CPU's page-pool fallback, said so
-    assert len(completions(result)) == 1
+    [completion] = completions(result)
+    assert len(completion["output_ids"]) == 12
