@@ -28,7 +28,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model_gpu import LLAMA8B, SMOLLM2, device_random_params  # noqa: E402
-from roofline import copy_bandwidth, device_time, matmul_rate, time_fn  # noqa: E402
+import roofline  # noqa: E402
+from roofline import device_time, time_fn  # noqa: E402
 
 from shiftjax.batch import empty_batch  # noqa: E402
 from shiftjax.cache import CacheConfig, allocate_cache  # noqa: E402
@@ -47,24 +48,16 @@ def log(*args):
     print(*args, flush=True)
 
 
-def read_bandwidth(n_bytes: int, device, repeats: int = 5) -> float:
-    """Bytes per second of a reduction over ``n_bytes`` of bf16 (reads only: the decode
-    step's weights are read, never written), best of ``repeats`` medians."""
-    x = jax.device_put(jnp.ones(n_bytes // 2, jnp.bfloat16), device)
-    reduce = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    return max(n_bytes / time_fn(reduce, x, warmup=2, iters=10) for _ in range(repeats))
-
-
 def ceilings(smoke: bool) -> dict:
-    n = (64 << 20) if smoke else (4 << 30)
+    """``roofline.ceilings`` (copy, read-only stream, matmul: best of several, device-timed)
+    on every local device."""
     out = {}
     for d in jax.local_devices():
         with jax.default_device(d):
-            copies = [copy_bandwidth(n) for _ in range(1 if smoke else 5)]
-            out[str(d)] = {"read_Bps": read_bandwidth(n, d, 1 if smoke else 5), "copy_Bps_best": max(copies),
-                           "copy_Bps_all": copies, "matmul_flops": matmul_rate(512 if smoke else 8192)}
-        log(f"ceilings {d}: read {out[str(d)]['read_Bps'] / 1e12:.2f} TB/s, copy best "
-            f"{max(copies) / 1e12:.2f} TB/s, matmul {out[str(d)]['matmul_flops'] / 1e12:.0f} TFLOP/s")
+            c = roofline.ceilings((64 << 20) if smoke else (4 << 30), 1 if smoke else 3, 512 if smoke else 8192)
+        out[str(d)] = {"read_Bps": c["read"]["best"], "copy_Bps_best": c["copy"]["best"],
+                       "matmul_flops": c["matmul"]["best"], "detail": c}
+        log(f"ceilings {d}:\n{roofline.describe(c)}")
     return out
 
 
