@@ -205,10 +205,9 @@ class AsyncEngineService:
                 self._ready.set()
                 return
         self._ready.set()
-        if self._observer is not None:
-            executables = self.engine.executables
-            self._observer.on_startup(compile_seconds=executables.wall_seconds,
-                                      executables=len(executables.compiled), cache_hits=executables.cache_hits)
+        executables = self.engine.executables
+        self._observe("on_startup", compile_seconds=executables.wall_seconds,
+                      executables=len(executables.compiled), cache_hits=executables.cache_hits)
         while True:
             with self._wake:
                 while not (self._inbox or self._cancels or self._stopping or self.engine.scheduler.has_work):
@@ -281,12 +280,10 @@ class AsyncEngineService:
             return
         if report is None:
             return
-        if self._observer is not None:
-            self._observer.on_step(mode=report.mode, num_tokens=report.num_tokens,
-                                   num_seqs=len(report.requests), seconds=report.seconds,
-                                   switched=report.switched)
-            for _ in range(engine.scheduler.num_preemptions - preemptions):
-                self._observer.on_preemption()
+        self._observe("on_step", mode=report.mode, num_tokens=report.num_tokens, num_seqs=len(report.requests),
+                      seconds=report.seconds, switched=report.switched)
+        for _ in range(engine.scheduler.num_preemptions - preemptions):
+            self._observe("on_preemption")
         now = time.monotonic()
         finished = set(report.finished)
         for request, sampled in zip(report.requests, report.sampled):
@@ -308,11 +305,11 @@ class AsyncEngineService:
         first = live.sent
         live.sent = len(request.output_ids)
         text = live.detokenizer.push(new_ids)
-        observer = self._observer
-        if observer is not None:
+        if self._observer is not None:
             for i in range(len(new_ids)):
                 since = live.submitted if live.first_token is None and i == 0 else (live.last_token or now)
-                observer.on_token(first=live.first_token is None and i == 0, seconds_since_previous=now - since)
+                self._observe("on_token", first=live.first_token is None and i == 0,
+                              seconds_since_previous=now - since)
         live.first_token = live.first_token or now
         live.last_token = now
         params = live.request.params
@@ -343,8 +340,7 @@ class AsyncEngineService:
         delta = delta or Delta(live.request_id)
         self._queue(live, Delta(delta.request_id, delta.token_ids, delta.text, delta.logprobs,
                                 finish_reason=reason, stop_reason=stop_reason, usage=usage), outgoing)
-        if self._observer is not None:
-            self._observer.on_finish(usage=usage, finish_reason=reason)
+        self._observe("on_finish", usage=usage, finish_reason=reason)
 
     def _fail(self, live: _Live, outgoing: dict, error: Exception | None = None) -> None:
         if live.done:
@@ -352,8 +348,7 @@ class AsyncEngineService:
         request = self._forget(live, FINISH_ERROR)
         self._queue(live, error or RequestFailed(f"request {live.request_id} failed inside the engine; "
                                                  f"see the server log"), outgoing)
-        if self._observer is not None:
-            self._observer.on_finish(usage=self._usage(live, request), finish_reason=FINISH_ERROR)
+        self._observe("on_finish", usage=self._usage(live, request), finish_reason=FINISH_ERROR)
 
     def _forget(self, live: _Live, reason: str) -> Request | None:
         live.done = True
@@ -377,6 +372,15 @@ class AsyncEngineService:
             ttft_seconds=0.0 if live.first_token is None else live.first_token - live.submitted,
             e2e_seconds=e2e, modes=tuple(request.modes) if request else (),
             preemptions=request.preemptions if request else 0)
+
+    def _observe(self, hook: str, **values) -> None:
+        """Calls an observer hook; a failing observer is logged, never fails a request."""
+        if self._observer is None:
+            return
+        try:
+            getattr(self._observer, hook)(**values)
+        except Exception:
+            log.exception("observer %s failed", hook)
 
     @staticmethod
     def _queue(live: _Live, item, outgoing: dict) -> None:

@@ -326,3 +326,19 @@ def test_preemption_changes_no_output_and_is_counted(engine, reference):
     assert sum(d[-1].usage.preemptions for d in together) == preempted
     assert observer.tokens == 8 * 20
     assert engine.scheduler.allocator.num_free == engine.num_pages - 1
+
+
+def test_a_failing_observer_fails_no_request(engine, reference):
+    class Broken(CountingObserver):
+        def on_step(self, **_):
+            raise RuntimeError("a metrics bug")
+
+    service = AsyncEngineService(engine, CharTokenizer(), observer=Broken())
+    try:
+        async def main():
+            return await collect(service.submit(request(PROMPTS[1])))
+
+        deltas = asyncio.run(main())
+    finally:
+        service.shutdown()
+    assert [t for d in deltas for t in d.token_ids] == reference[1]
