@@ -18,7 +18,7 @@ from shiftjax.serving import executables as exe
 from shiftjax.serving import page_pool
 from shiftjax.serving.policy import ShiftPolicy
 from shiftjax.serving.sampling_params import SamplingParams
-from shiftjax.serving.scheduler import Request, Scheduler, SchedulerConfig
+from shiftjax.serving.scheduler import Request, ScheduledStep, Scheduler, SchedulerConfig
 from shiftjax.steps import params_for
 from shiftjax.weights import ModelWeights
 
@@ -74,6 +74,17 @@ class StepFailed(RuntimeError):
     def __init__(self, requests: list[Request]):
         super().__init__(f"a step of {len(requests)} requests failed")
         self.requests = requests
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchedStep:
+    """A step dispatched to the devices whose result is not yet on the host."""
+
+    scheduled: ScheduledStep
+    mode: str
+    bucket: tuple[int, int]
+    packed: jax.Array
+    started: float  # time.perf_counter() when it was scheduled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +200,13 @@ class Engine:
         If the step raises, :class:`StepFailed` names the requests scheduled in it (the
         caller fails them; the cause is chained); caches lost to a failed donated call are
         reallocated and every running request is preempted, to recompute what it had cached."""
+        launched = self.launch_step()
+        return None if launched is None else self.finish_step(launched)
+
+    def launch_step(self) -> LaunchedStep | None:
+        """The first half of :meth:`run_step`: schedules and dispatches a step without
+        waiting for the device, so the host can do other work while it runs. Nothing may
+        schedule before :meth:`finish_step` has committed it."""
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if scheduled is None:
@@ -199,16 +217,25 @@ class Engine:
             batch = exe.to_device(exe.pad_batch(scheduled.batch, num_tokens, num_seqs), self.weights)
             executable = self.executables.get(mode, num_tokens, num_seqs)
             out, self.caches = executable(params_for(self.weights, mode), self.caches, batch)
-            result = exe.unpack_host(exe.packed_to_host(out.packed))
+        except Exception as error:
+            self._recover_caches()
+            raise StepFailed(scheduled.requests) from error
+        return LaunchedStep(scheduled, mode, (num_tokens, num_seqs), out.packed, start)
+
+    def finish_step(self, launched: LaunchedStep) -> StepReport:
+        """The second half: waits for the step's result and commits it to its requests."""
+        scheduled, mode = launched.scheduled, launched.mode
+        try:
+            result = exe.unpack_host(exe.packed_to_host(launched.packed))
         except Exception as error:
             self._recover_caches()
             raise StepFailed(scheduled.requests) from error
         switched = self._count(mode, scheduled.num_tokens)
         finished = self.scheduler.commit(scheduled, result.tokens, result.logprobs, mode,
                                          result.top_ids, result.top_logprobs)
-        return StepReport(mode=mode, num_tokens=scheduled.num_tokens, bucket=(num_tokens, num_seqs),
+        return StepReport(mode=mode, num_tokens=scheduled.num_tokens, bucket=launched.bucket,
                           requests=scheduled.requests, sampled=scheduled.samples, finished=finished,
-                          switched=switched, seconds=time.perf_counter() - start)
+                          switched=switched, seconds=time.perf_counter() - launched.started)
 
     def _recover_caches(self) -> None:
         if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.caches)):

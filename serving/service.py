@@ -8,16 +8,16 @@ turns its results into one :class:`Delta` per request (detokenized, stop strings
 and hands each loop its deltas with one ``call_soon_threadsafe`` per step. The per-request
 ``asyncio.Queue`` needs no bound: the engine adds at most one delta per step per request.
 
-Not done yet: preparing step N+1 on the host while the device runs step N. The next
-schedule needs step N's sampled tokens, so it would take vLLM's asynchronous scheduling
-(placeholder tokens, fixed up after the copy); DESIGN.md measured ~0.55 ms of host time
-per step on the H200 as the prize.
+While the device runs step N+1, the engine thread makes step N's deltas (detokenizing,
+stop strings, logprobs, observer hooks) and sends them: a stop string found then ends its
+request after N+1 has been launched, so N+1's token for it is computed and dropped. The
+schedule of N+1 itself still waits for N's tokens; overlapping that too would take vLLM's
+asynchronous scheduling (placeholder tokens, fixed up after the copy).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import threading
@@ -25,8 +25,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from shiftjax.serving.detokenizer import IncrementalDetokenizer
-from shiftjax.serving.engine import Engine, StepFailed
+from shiftjax.serving.engine import Engine, LaunchedStep, StepFailed, StepReport
 from shiftjax.serving.errors import InvalidRequest, Overloaded, RequestFailed, Unavailable
+from shiftjax.serving.live_request import LiveRequest
 from shiftjax.serving.protocol import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -35,32 +36,12 @@ from shiftjax.serving.protocol import (
     GenerationRequest,
     ServiceStats,
     TokenLogprob,
-    Usage,
 )
 from shiftjax.serving.scheduler import Request
 from shiftjax.serving.service_info import service_info
 from shiftjax.serving.validation import validate_request
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(eq=False)
-class _Live:
-    """One submitted request as the service tracks it (the engine thread owns the fields
-    after ``queue``; the caller's loop only reads the queue)."""
-
-    request: GenerationRequest
-    request_id: str
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
-    submitted: float = dataclasses.field(default_factory=time.monotonic)
-    engine_request: Request | None = None
-    detokenizer: IncrementalDetokenizer | None = None
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    last_token: float | None = None
-    sent: int = 0  # output tokens already streamed
-    done: bool = False
 
 
 class AsyncEngineService:
@@ -84,10 +65,10 @@ class AsyncEngineService:
         self._engine_factory = engine if callable(engine) and not isinstance(engine, Engine) else None
         self.engine: Engine | None = None if self._engine_factory else engine
         self._wake = threading.Condition()
-        self._inbox: list[_Live] = []
+        self._inbox: list[LiveRequest] = []
         self._cancels: list[str] = []
-        self._live: dict[str, _Live] = {}
-        self._by_request: dict[Request, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
+        self._by_request: dict[Request, LiveRequest] = {}
         self._ids = itertools.count()
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
@@ -122,13 +103,13 @@ class AsyncEngineService:
             request_id = request.request_id or f"req-{next(self._ids)}"
             if request_id in self._live:
                 raise InvalidRequest("request_id", f"{request_id!r} is already in flight; use a unique id")
-            live = _Live(request, request_id, loop)
+            live = LiveRequest(request, request_id, loop)
             self._live[request_id] = live
             self._inbox.append(live)
             self._wake.notify()
         return self._stream(live)
 
-    async def _stream(self, live: _Live):
+    async def _stream(self, live: LiveRequest):
         ended = False
         try:
             while True:
@@ -208,9 +189,11 @@ class AsyncEngineService:
         executables = self.engine.executables
         self._observe("on_startup", compile_seconds=executables.wall_seconds,
                       executables=len(executables.compiled), cache_hits=executables.cache_hits)
+        pending: StepReport | None = None  # done on the device; its deltas not yet made
         while True:
             with self._wake:
-                while not (self._inbox or self._cancels or self._stopping or self.engine.scheduler.has_work):
+                while not (pending or self._inbox or self._cancels or self._stopping
+                           or self.engine.scheduler.has_work):
                     self._wake.wait(self._seconds_to_next_deadline())
                     if self._expired():
                         break
@@ -224,9 +207,15 @@ class AsyncEngineService:
                         self._end(live, FINISH_ABORT, outgoing)
                 else:
                     self._take(inbox, cancels, outgoing)
-                    self._step(outgoing)
+                    launched = self._launch(outgoing)
+                    if pending is not None:  # the host's share of step N while the device runs N+1
+                        self._make_deltas(pending, outgoing)
+                        self._send(outgoing)
+                        outgoing = {}
+                    pending = None if launched is None else self._finish(launched, outgoing)
             except Exception:  # a bug of ours: fail what is in flight, keep serving
                 log.exception("engine loop failed; failing the requests in flight")
+                pending = None
                 for live in list(self._live.values()):
                     self._fail(live, outgoing)
             self._send(outgoing)
@@ -242,7 +231,7 @@ class AsyncEngineService:
         return any(live.request.deadline is not None and live.request.deadline <= now
                    for live in self._live.values())
 
-    def _take(self, inbox: list[_Live], cancels: list[str], outgoing: dict) -> None:
+    def _take(self, inbox: list[LiveRequest], cancels: list[str], outgoing: dict) -> None:
         """Admissions, then cancellations and expired deadlines, before the next schedule."""
         for live in inbox:
             if live.done:
@@ -264,35 +253,48 @@ class AsyncEngineService:
             if live is not None:
                 self._end(live, FINISH_ABORT, outgoing)
 
-    def _step(self, outgoing: dict) -> None:
-        engine = self.engine
-        if not engine.scheduler.has_work:
-            return
-        preemptions = engine.scheduler.num_preemptions
+    def _launch(self, outgoing: dict) -> LaunchedStep | None:
+        if not self.engine.scheduler.has_work:
+            return None
+        preemptions = self.engine.scheduler.num_preemptions
         try:
-            report = engine.run_step()
+            launched = self.engine.launch_step()
         except StepFailed as failure:
-            log.exception("a step failed; failing its %d requests", len(failure.requests))
-            for request in failure.requests:
+            self._fail_step(failure, outgoing)
+            return None
+        for _ in range(self.engine.scheduler.num_preemptions - preemptions):
+            self._observe("on_preemption")
+        if launched is not None:
+            now = time.monotonic()
+            for request in launched.scheduled.requests:
                 live = self._by_request.get(request)
-                if live is not None:
-                    self._fail(live, outgoing)
-            return
-        if report is None:
-            return
+                if live is not None and live.first_scheduled is None:
+                    live.first_scheduled = now
+        return launched
+
+    def _finish(self, launched: LaunchedStep, outgoing: dict) -> StepReport | None:
+        try:
+            report = self.engine.finish_step(launched)
+        except StepFailed as failure:
+            self._fail_step(failure, outgoing)
+            return None
         self._observe("on_step", mode=report.mode, num_tokens=report.num_tokens, num_seqs=len(report.requests),
                       seconds=report.seconds, switched=report.switched)
-        for _ in range(engine.scheduler.num_preemptions - preemptions):
-            self._observe("on_preemption")
+        return report
+
+    def _fail_step(self, failure: StepFailed, outgoing: dict) -> None:
+        log.error("a step failed; failing its %d requests", len(failure.requests), exc_info=failure)
+        for request in failure.requests:
+            live = self._by_request.get(request)
+            if live is not None:
+                self._fail(live, outgoing)
+
+    def _make_deltas(self, report: StepReport, outgoing: dict) -> None:
         now = time.monotonic()
         finished = set(report.finished)
         for request, sampled in zip(report.requests, report.sampled):
             live = self._by_request.get(request)
-            if live is None or live.done:
-                continue
-            if live.first_scheduled is None:
-                live.first_scheduled = now
-            if not sampled:
+            if live is None or live.done or not sampled:
                 continue
             try:
                 self._emit(live, request, request in finished, now, outgoing)
@@ -300,7 +302,7 @@ class AsyncEngineService:
                 log.exception("request %s failed", live.request_id)
                 self._fail(live, outgoing)
 
-    def _emit(self, live: _Live, request: Request, finished: bool, now: float, outgoing: dict) -> None:
+    def _emit(self, live: LiveRequest, request: Request, finished: bool, now: float, outgoing: dict) -> None:
         new_ids = request.output_ids[live.sent:]
         first = live.sent
         live.sent = len(request.output_ids)
@@ -332,25 +334,25 @@ class AsyncEngineService:
         else:
             self._end(live, reason, outgoing, delta, stop_reason)
 
-    def _end(self, live: _Live, reason: str, outgoing: dict, delta: Delta | None = None,
+    def _end(self, live: LiveRequest, reason: str, outgoing: dict, delta: Delta | None = None,
              stop_reason: int | str | None = None) -> None:
         """Finishes a request: frees its pages now, streams the last delta with usage."""
         request = self._forget(live, reason)
-        usage = self._usage(live, request)
+        usage = live.usage(request)
         delta = delta or Delta(live.request_id)
         self._queue(live, Delta(delta.request_id, delta.token_ids, delta.text, delta.logprobs,
                                 finish_reason=reason, stop_reason=stop_reason, usage=usage), outgoing)
         self._observe("on_finish", usage=usage, finish_reason=reason)
 
-    def _fail(self, live: _Live, outgoing: dict, error: Exception | None = None) -> None:
+    def _fail(self, live: LiveRequest, outgoing: dict, error: Exception | None = None) -> None:
         if live.done:
             return
         request = self._forget(live, FINISH_ERROR)
         self._queue(live, error or RequestFailed(f"request {live.request_id} failed inside the engine; "
                                                  f"see the server log"), outgoing)
-        self._observe("on_finish", usage=self._usage(live, request), finish_reason=FINISH_ERROR)
+        self._observe("on_finish", usage=live.usage(request), finish_reason=FINISH_ERROR)
 
-    def _forget(self, live: _Live, reason: str) -> Request | None:
+    def _forget(self, live: LiveRequest, reason: str) -> Request | None:
         live.done = True
         request = live.engine_request
         if request is not None:
@@ -360,18 +362,6 @@ class AsyncEngineService:
         with self._wake:
             self._live.pop(live.request_id, None)
         return request
-
-    def _usage(self, live: _Live, request: Request | None) -> Usage:
-        """Times from submit; ``ttft_seconds`` is 0.0 when no token came (and
-        ``queue_seconds`` the whole wait when the request never ran)."""
-        now = time.monotonic()
-        e2e = now - live.submitted
-        return Usage(
-            prompt_tokens=len(live.request.prompt_ids), output_tokens=live.sent,
-            queue_seconds=(live.first_scheduled or now) - live.submitted,
-            ttft_seconds=0.0 if live.first_token is None else live.first_token - live.submitted,
-            e2e_seconds=e2e, modes=tuple(request.modes) if request else (),
-            preemptions=request.preemptions if request else 0)
 
     def _observe(self, hook: str, **values) -> None:
         """Calls an observer hook; a failing observer is logged, never fails a request."""
@@ -383,7 +373,7 @@ class AsyncEngineService:
             log.exception("observer %s failed", hook)
 
     @staticmethod
-    def _queue(live: _Live, item, outgoing: dict) -> None:
+    def _queue(live: LiveRequest, item, outgoing: dict) -> None:
         outgoing.setdefault(live.loop, []).append((live.queue, item))
 
     def _send(self, outgoing: dict) -> None:
