@@ -4,8 +4,7 @@ A benchmark that only runs on a lent GPU rots unseen (issue 11: decode_variants.
 TypeError at every commit after the step gained an argument, while the README quoted its
 numbers). Each script runs here in a subprocess with ``--smoke``, through the GPU driver
 script that runs it on the H200 where there is one (``SMOKE=1`` or ``BENCH_ARGS=--smoke``),
-and the test checks what its output must say:
-the layer loops' HLO difference, the timer behind every number, the files the GPU call
+and the test checks what its output must say: the layer loops' HLO difference, the timer behind every number, the files the GPU call
 brings back. A new script under benchmarks/ without a smoke run here fails
 ``test_every_script_is_smoke_tested``.
 """
@@ -22,7 +21,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-sys.path.insert(0, str(BENCH))
 
 # which test runs each script's --smoke path
 VIA_GPU_SCRIPT = {"roofline.py", "decode_variants.py", "model_gpu.py",  # test_gpu_script_smoke
@@ -140,7 +138,11 @@ def test_script_smoke(script, tmp_path):
 def test_hlo_report_sees_a_layer_slice_in_synthetic_hlo():
     """A dynamic-slice of one layer out of a [32, 1, 4096, 6144] stack, inside a fusion whose
     parameter is the stack: the shape the first report missed ((1, 1, K, N))."""
-    import hlo_moves
+    sys.path.insert(0, str(BENCH))
+    try:
+        import hlo_moves
+    finally:
+        sys.path.remove(str(BENCH))
 
     hlo = """
 %fused_computation.7 (param_0.75: bf16[32,1,4096,6144], param_1.120: s32[]) -> bf16[1,1,4096,6144] {
