@@ -70,6 +70,9 @@ def test_compare_runs_every_deployment_on_the_same_requests(tmp_path):
     assert plots == {"sweep_latency_vs_throughput.png", "bursty_trace_timeline.png"}
     assert all((out / name).stat().st_size > 10_000 for name in plots)
     assert (out / "logs" / "fast.log").is_file()
+    # the plots again from the saved report (infinite rates read back as "inf")
+    assert bench_main(["plot", str(out / "compare.json"), "--out-dir", str(tmp_path / "replot")]) == 0
+    assert {p.name for p in (tmp_path / "replot").iterdir()} == plots
 
 
 def test_client_timeline_reconstruction_by_hand():

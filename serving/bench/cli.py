@@ -1,4 +1,5 @@
-"""``shiftjax bench serve|compare``: the load generator and the deployment comparison."""
+"""``shiftjax bench serve|compare|plot``: the load generator, the deployment comparison,
+and its plots redrawn from a saved report."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import sys
 
 def bench_main(argv: list[str]) -> int:
     commands = {"serve": "shiftjax.serving.bench.serve_bench:serve_main",
-                "compare": "shiftjax.serving.bench.compare:compare_main"}
+                "compare": "shiftjax.serving.bench.compare:compare_main",
+                "plot": "shiftjax.serving.bench.compare_plots:plot_main"}
     if not argv or argv[0] not in commands:
-        print("usage: shiftjax bench {serve,compare} ... (--help on either)", file=sys.stderr)
+        print("usage: shiftjax bench {serve,compare,plot} ... (--help on either)", file=sys.stderr)
         return 2
     import importlib
 

@@ -114,6 +114,18 @@ def run_deployment(process: ServerProcess, runs, out_dir: Path, sample_interval_
     return entry
 
 
+TABLE_NOTE = ("Times in ms. SP req-steps: the share of request-steps (each request's usage.modes) "
+              "that ran in SP mode.")
+
+
+def rate_label(rate) -> str:
+    """A run's request rate for a table or plot; a report read back from JSON spells
+    infinity ``"inf"``."""
+    if rate is None:
+        return "-"
+    return f"{float(rate):g}"
+
+
 def table_rows(report: dict) -> list[dict]:
     """One row per (deployment, workload, rate): the numbers the comparison turns on."""
     rows = []
@@ -123,14 +135,14 @@ def table_rows(report: dict) -> list[dict]:
             steps = s.get("mode_steps") or {}
             rows.append({
                 "deployment": deployment["name"], "workload": run["workload"],
-                "rate": "-" if run["request_rate"] is None else f"{run['request_rate']:g}",
+                "rate": rate_label(run["request_rate"]),
                 "ok": f"{s['completed']}/{s['completed'] + s['failed']}",
                 "req/s": f"{s['request_throughput']:.2f}", "out tok/s": f"{s['output_throughput']:.0f}",
                 "TTFT p50": f"{s['ttft']['median_ms']:.1f}", "TTFT p99": f"{s['ttft'].get('p99_ms', math.nan):.1f}",
                 "TPOT p50": f"{s['tpot']['median_ms']:.2f}", "TPOT p99": f"{s['tpot'].get('p99_ms', math.nan):.2f}",
                 "ITL p50": f"{s['itl']['median_ms']:.2f}",
                 "goodput": "-" if s["request_goodput"] is None else f"{s['request_goodput']:.2f}",
-                "SP steps": f"{steps.get('sp', 0) / sum(steps.values()):.0%}" if steps else "-",
+                "SP req-steps": f"{steps.get('sp', 0) / sum(steps.values()):.0%}" if steps else "-",
             })
     return rows
 
@@ -191,7 +203,7 @@ def compare_main(argv: list[str]) -> int:
         write_json(report, out_dir / "compare.json")  # after each deployment: a crash keeps what ran
     table = format_table(table_rows(report))
     print(table)
-    (out_dir / "compare.md").write_text(f"device: {device}\n\n{table}\n")
+    (out_dir / "compare.md").write_text(f"device: {device}\n\n{TABLE_NOTE}\n\n{table}\n")
     from shiftjax.serving.bench.compare_plots import write_plots
 
     report["plots"] = [str(p) for p in write_plots(report, out_dir)]

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from shiftjax.serving.bench.compare import rate_label
+
 MODE_ROWS = {"tp": 0, "sp": 1}
 
 
@@ -58,7 +60,7 @@ def plot_latency_vs_throughput(report: dict, workload: str, out_dir: Path) -> Pa
             axis.plot(throughput, [s[metric]["median_ms"] for s in summaries], "o-", color=color, label=f"{name} p50")
             axis.plot(throughput, [s[metric]["p99_ms"] for s in summaries], "s--", color=color, label=f"{name} p99")
         for run, x, s in zip(runs, throughput, summaries):
-            ttft_axis.annotate(f"{run['request_rate']:g}", (x, s["ttft"]["median_ms"]), fontsize=7,
+            ttft_axis.annotate(rate_label(run["request_rate"]), (x, s["ttft"]["median_ms"]), fontsize=7,
                                textcoords="offset points", xytext=(3, 3))
         plotted = True
     if not plotted:
@@ -187,3 +189,19 @@ def plot_timeline(report: dict, workload: str, out_dir: Path) -> Path | None:
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
+
+
+def plot_main(argv: list[str]) -> int:
+    """``shiftjax bench plot compare.json --out-dir DIR``: the plots again, from a saved report."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="shiftjax bench plot", description=plot_main.__doc__)
+    parser.add_argument("report", type=Path, help="a compare.json written by bench compare")
+    parser.add_argument("--out-dir", type=Path, default=None, help="default: the report's directory")
+    args = parser.parse_args(argv)
+    out_dir = args.out_dir or args.report.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for path in write_plots(json.loads(args.report.read_text()), out_dir):
+        print(path)
+    return 0
