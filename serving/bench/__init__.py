@@ -30,5 +30,7 @@ gRPC health SERVING, runs the same seeded workloads, stops it with SIGTERM, and 
          "time_scale": 0.05, "timeline": true}]
 
 Workload keys are ``bench serve``'s options in snake_case; options given on the
-``compare`` command line apply to every workload that does not set them.
+``compare`` command line apply to every workload that does not set them. A workload with
+``timeline`` (the default for a trace) polls ServerInfo during its run for the mode and
+queue plot. ``shiftjax bench plot OUT/compare.json`` redraws the plots from a saved report.
 """
