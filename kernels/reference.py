@@ -51,9 +51,18 @@ def write_kv_cache(
     layer = jnp.asarray(layer, jnp.int32)
     # Advanced indices split by a slice put the token axis first: the indexed shape is
     # [tokens, kv_slots, head_dim], exactly k's.
-    k_cache = k_cache.at[layer, :, page, offset].set(k.astype(k_cache.dtype), mode="promise_in_bounds")
-    v_cache = v_cache.at[layer, :, page, offset].set(v.astype(v_cache.dtype), mode="promise_in_bounds")
-    return k_cache, v_cache
+    return (_scatter_bits(k_cache, layer, page, offset, k), _scatter_bits(v_cache, layer, page, offset, v))
+
+
+def _scatter_bits(cache, layer, page, offset, rows):
+    """``cache.at[layer, :, page, offset].set(rows)`` done on same-width unsigned integers:
+    XLA's CPU backend otherwise widens a bf16 scatter to f32, converting the whole stacked
+    cache there and back every layer (tests/test_kernels.py's in-place check caught it);
+    a bitcast of equal width is free, so the scatter stays in place."""
+    bits = jnp.dtype(f"uint{8 * cache.dtype.itemsize}")
+    updated = lax.bitcast_convert_type(cache, bits).at[layer, :, page, offset].set(
+        lax.bitcast_convert_type(rows.astype(cache.dtype), bits), mode="promise_in_bounds")
+    return lax.bitcast_convert_type(updated, cache.dtype)
 
 
 def _gather_pages(cache_bits, dtype, layer, slot: int, pages):

@@ -187,14 +187,7 @@ def attention_hlo(attention):
     return jitted.lower(q, cache, cache, case.metadata(jnp), jnp.int32(2)).compile().as_text()
 
 
-@pytest.mark.parametrize("dtype", [
-    jnp.float32,
-    pytest.param(jnp.bfloat16, marks=pytest.mark.xfail(strict=True, reason=(
-        "kernels/reference.py write_kv_cache on the CPU: XLA has no bf16 scatter there, so the "
-        "bf16 cache write converts the whole stacked cache (every layer) to f32, scatters, and "
-        "converts it back, for K and V, at every layer of every step; scattering the cache's "
-        "bits as uint16 (as _gather_pages already gathers them) would avoid it"))),
-], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 def test_write_kv_cache_is_in_place_under_donation(dtype):
     ops = cache_buffer_ops(write_hlo(write_kv_cache, dtype), CACHE_SHAPE)
     assert not ops, f"the cache write copies the cache or a layer of it: {ops}"
