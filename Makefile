@@ -24,8 +24,8 @@ install-dev: $(VENV)/.dev
 
 # Starts `shiftjax serve` on the default model on a 2 x 2 mesh of virtual CPU devices, streams
 # one request (TP steps) and a burst (SP steps), prints the mode of every step and a few
-# metrics, then stops the server with SIGTERM (serving/demo.py). About 1.5 minutes on 2
-# cores the first time; the compilation cache under .cache/shiftjax/xla speeds up the next.
+# metrics, then stops the server with SIGTERM (serving/demo.py). One to two minutes on
+# 2 cores the first time; the compilation cache under .cache/shiftjax/xla speeds up the next.
 demo: $(VENV)/.base
 	$(PY) -m shiftjax.serving.demo
 
