@@ -13,7 +13,9 @@ Two ways in:
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +96,9 @@ def load_checkpoint(path: str | Path, *, dtype=None, shardings=None) -> tuple[Mo
     return config, params_from_flat(unnest(restored))
 
 
+CHUNK_CACHE_BYTES = 8 << 30
+
+
 class CanonicalReader:
     """Reads slices of the canonical tensors of a checkpoint's Orbax ``params/`` directory.
 
@@ -113,19 +118,22 @@ class CanonicalReader:
         self.dtype = np.dtype(dtype)
         # A chunk cache as large as the largest tensor: a converted checkpoint stores each
         # tensor as one chunk, and every block of a tensor reads from it in turn (blocks are
-        # made tensor by tensor), so it is decoded once instead of once per block.
+        # made tensor by tensor), so it is decoded once instead of once per block. Capped,
+        # because it is host memory: past the cap (a 70B tensor) each block decodes anew.
         largest = max(int(np.prod(shape)) for shape in shapes.values()) * 4
-        self.context = ts.Context({"cache_pool": {"total_bytes_limit": largest}},
+        self.context = ts.Context({"cache_pool": {"total_bytes_limit": min(largest, CHUNK_CACHE_BYTES)}},
                                   parent=ocp.type_handlers.get_ts_context(use_ocdbt=True))
         self.bytes_read: dict[str, int] = defaultdict(int)  # host bytes per tensor, for tests
         self._opened = {}
+        self._lock = threading.Lock()  # blocks are read from several threads
 
     def _open(self, name: str):
         import orbax.checkpoint as ocp
         import tensorstore as ts
 
-        if name in self._opened:
-            return self._opened[name]
+        with self._lock:
+            if name in self._opened:
+                return self._opened[name]
         errors = []
         for use_zarr3 in (False, True):  # Orbax has written both, depending on its version
             info = ocp.type_handlers.ParamInfo(name=name, parent_dir=self.params_dir, is_ocdbt_checkpoint=True,
@@ -143,8 +151,8 @@ class CanonicalReader:
                 f"{self.params_dir} stores {name} as {list(store.shape)}, but config.json implies "
                 f"{list(self.shapes[name])}; convert the checkpoint again"
             )
-        self._opened[name] = store
-        return store
+        with self._lock:
+            return self._opened.setdefault(name, store)
 
     def read(self, name: str, axis: int | None = None, start: int = 0, stop: int | None = None) -> np.ndarray:
         """``tensor[..., start:stop, ...]`` along ``axis`` (the whole tensor when None), cast."""
@@ -153,7 +161,8 @@ class CanonicalReader:
         if axis is not None:
             index[axis] = slice(start, stop)
         data = store[tuple(index)].read().result()
-        self.bytes_read[name] += data.nbytes
+        with self._lock:
+            self.bytes_read[name] += data.nbytes
         return data.astype(self.dtype, copy=False)
 
     def block(self, weight: BlockWeight, block: int) -> np.ndarray:
@@ -179,6 +188,12 @@ class CanonicalReader:
         return np.concatenate(pieces, axis=weight.cut_axis)
 
 
+# Blocks read at once: each read decodes its chunks on TensorStore's threads, but one chunk
+# per read (a sharded checkpoint's shard) decodes on one thread, so blocks are read side by
+# side. Bounded, because host memory holds every block in flight.
+BLOCKS_IN_FLIGHT = 4
+
+
 def _block_maker(reader: CanonicalReader):
     import jax
 
@@ -190,13 +205,20 @@ def _block_maker(reader: CanonicalReader):
         for device, index in index_map.items():
             devices_of_block[blocks_at[(index[axis].start or 0) // per_position]].append(device)
         shards = {}
-        for block, devices in devices_of_block.items():  # one host block alive at a time
-            data = reader.block(weight, block)
-            if weight.stacked:
-                data = data[:, None]
-            for device in devices:
-                shards[device] = jax.device_put(data, device)
-            del data
+        with ThreadPoolExecutor(BLOCKS_IN_FLIGHT) as pool:
+            pending = list(devices_of_block)
+            in_flight = {}
+            while pending or in_flight:
+                while pending and len(in_flight) < BLOCKS_IN_FLIGHT:
+                    block = pending.pop(0)
+                    in_flight[pool.submit(reader.block, weight, block)] = block
+                done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+                for future in done:
+                    data = future.result()
+                    if weight.stacked:
+                        data = data[:, None]
+                    for device in devices_of_block[in_flight.pop(future)]:
+                        shards[device] = jax.device_put(data, device)
         return jax.make_array_from_single_device_arrays(shape, sharding, [shards[d] for d in index_map])
 
     def make_replicated(name: str, sharding):
