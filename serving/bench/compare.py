@@ -96,8 +96,14 @@ def run_deployment(process: ServerProcess, runs, out_dir: Path, sample_interval_
             config = dataclasses.replace(config, server=address, label=f"{process.deployment.name}/{spec.name}")
             print(f"[{process.deployment.name}] {spec.name}" + (f" at {rate:g} req/s" if rate else ""), file=sys.stderr)
             sampler = ServerInfoSampler(process.grpc_address, sample_interval_s) if spec.timeline else contextlib.nullcontext()
-            with sampler:
-                result = asyncio.run(serve_bench.run_serve_bench(config, workload))
+            try:
+                with sampler:
+                    result = asyncio.run(serve_bench.run_serve_bench(config, workload))
+            except (ConnectionError, OSError, ValueError) as error:  # this run only; the next may work
+                message = f"[{process.deployment.name}] {spec.name}: {type(error).__name__}: {error}"
+                print(message, file=sys.stderr)
+                entry["runs"].append({"workload": spec.name, "request_rate": rate, "error": message})
+                continue
             if spec.timeline:
                 result["server_samples"] = sampler.samples
             step_trace = (process.server_info().get("info_json") or {}).get("step_trace") if spec.timeline else None
@@ -131,6 +137,8 @@ def table_rows(report: dict) -> list[dict]:
     rows = []
     for deployment in report["deployments"]:
         for run in deployment["runs"]:
+            if "result" not in run:
+                continue  # a run that failed as a whole: its error is in the report
             s = run["result"]["summary"]
             steps = s.get("mode_steps") or {}
             rows.append({
@@ -199,7 +207,8 @@ def compare_main(argv: list[str]) -> int:
         process = ServerProcess(deployment, out_dir / "logs" / f"{deployment.name}.log")
         report["deployments"].append(run_deployment(process, runs, out_dir, args.sample_interval))
         for run in report["deployments"][-1]["runs"]:
-            run["result"]["device"] = device
+            if "result" in run:
+                run["result"]["device"] = device
         write_json(report, out_dir / "compare.json")  # after each deployment: a crash keeps what ran
     table = format_table(table_rows(report))
     print(table)
@@ -208,7 +217,7 @@ def compare_main(argv: list[str]) -> int:
 
     report["plots"] = [str(p) for p in write_plots(report, out_dir)]
     write_json(json_safe(report), out_dir / "compare.json")
-    failed = [d["name"] for d in report["deployments"] if d["error"]]
+    failed = [d["name"] for d in report["deployments"] if d["error"] or any("error" in r for r in d["runs"])]
     if failed:
         print(f"shiftjax bench compare: these deployments failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

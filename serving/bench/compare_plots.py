@@ -43,7 +43,7 @@ def _file_name(workload: str, kind: str) -> str:
 
 def _runs_of(report: dict, workload: str):
     for deployment in report["deployments"]:
-        runs = [run for run in deployment["runs"] if run["workload"] == workload]
+        runs = [run for run in deployment["runs"] if run["workload"] == workload and "result" in run]
         if runs:
             yield deployment["name"], runs
 
