@@ -56,9 +56,10 @@ def size_pool(*, num_pages: int | None, kv_memory_fraction: float | None, fallba
     max_model_len), saying so.
 
     The limit is the JAX allocator's (``bytes_limit``: 75% of the GPU's memory unless JAX is
-    told otherwise). On one H200 (2026-11-29), a 4-layer 1024-wide model took 0.49 GiB of
-    weights and 0.02 GiB of step temporaries, leaving 104.3 of a 104.85 GiB limit: the
-    default pool was 769,280 pages of 16 tokens (93.9 GiB)."""
+    told otherwise). On a 2-GPU mesh with Llama-3.1-8B's shape unrolled, the default ran
+    out of memory allocating the cache (benchmarks/results/x2_run1/engine.log): the
+    temporaries estimate can fall short there; give ``--kv-memory-fraction`` or
+    ``--num-pages`` until it is measured."""
     if num_pages is not None:
         return PagePool(num_pages, "num_pages", f"KV cache: {num_pages} pages (--num-pages)")
     devices = list(np.asarray(mesh_devices).flat)
