@@ -11,6 +11,14 @@ import pytest
 from shiftjax.serving.demo import _runs
 
 
+def environ_without_device_count() -> dict[str, str]:
+    """This process's environment less conftest.py's ``--xla_force_host_platform_device_count``."""
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags)
+    return env
+
+
 def test_step_trace_in_one_line():
     assert _runs(["sp", "sp", "tp", "tp", "tp", "sp"]) == "sp x2, tp x3, sp x1"
     assert _runs([]) == "none"
@@ -18,7 +26,7 @@ def test_step_trace_in_one_line():
 
 @pytest.mark.slow
 def test_demo_runs_and_its_checks_hold():
-    env = {name: value for name, value in os.environ.items() if name != "XLA_FLAGS"}  # the demo asks for 4 devices
+    env = environ_without_device_count()  # the demo asks for 4 devices with --cpu-devices
     result = subprocess.run([sys.executable, "-m", "shiftjax.serving.demo", "--max-tokens", "8"],
                             capture_output=True, text=True, timeout=600, env=env)
     output = result.stdout + result.stderr

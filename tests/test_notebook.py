@@ -14,11 +14,19 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
 
 
+def environ_without_device_count() -> dict[str, str]:
+    """This process's environment less conftest.py's ``--xla_force_host_platform_device_count``."""
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags)
+    return env
+
+
 def test_quickstart_notebook_runs():
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     # The notebook makes its own 4 CPU devices through jax.config; the 8 that conftest.py
     # asks for through XLA_FLAGS would leak into the kernel's environment otherwise.
-    env = {name: value for name, value in os.environ.items() if name != "XLA_FLAGS"}
+    env = environ_without_device_count()
     client = NotebookClient(notebook, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(ROOT)}})
     client.execute(env=env)  # raises CellExecutionError, naming the cell, on any error
