@@ -9,8 +9,8 @@ No monkeypatching: what runs is what the engine compiles.
 
 Floors: weight bytes (all but the embedding table, which is gathered) over the read-only
 stream rate (``roofline.read_ceiling``; decode reads its weights and writes almost
-nothing), and, for comparison with older figures, over the copy rate (bytes read +
-written / s). Both ceilings are the best of several tries in the same run (or taken from
+nothing), the same with the K/V the attention reads added, and, for comparison with older
+figures, weight bytes over the copy rate (bytes read + written / s). Both ceilings are the best of several tries in the same run (or taken from
 ``--ceilings FILE``, a ``roofline.py --json`` output of the same call). Times are host
 wall clock per step (median of 20, what serving sees); the device span from a profiler
 trace is printed beside it where the trace has one. Also reports the weight and cache
@@ -86,6 +86,10 @@ def main():
                 out, state["caches"] = exe(params_for(weights, "tp"), state["caches"], b)
                 return out.packed
 
+            # K/V the attention reads: every sequence's context + 1 tokens, every layer
+            kv_bytes = (2 * config.num_layers * num_seqs * (context + 1) * config.num_kv_heads * config.head_dim
+                        * caches.k.dtype.itemsize)
+            kv_floor = (weight_bytes + kv_bytes) / ceiling["read"]["best"]
             for kind, batch in batches.items():
                 seconds = time_fn(run, batch, warmup=3, iters=3 if args.smoke else 20)
                 trace = device_time(run, (batch,), 3 if args.smoke else 10)
@@ -93,12 +97,13 @@ def main():
                 row = {"loop": loop, "seqs": num_seqs, "sampling": kind, "step_ms": seconds * 1e3,
                        "timer": "host wall clock", "device_span_ms": span * 1e3 if span else None,
                        "read_floor_over_step": read_floor / seconds, "copy_floor_over_step": copy_floor / seconds,
+                       "kv_bytes": kv_bytes, "read_floor_with_kv_over_step": kv_floor / seconds,
                        "compile_s": compile_s, "hlo": report}
                 results["runs"].append(row)
                 print(f"{loop:8s} {kind:7s} B={num_seqs:3d}: {seconds * 1e3:7.2f} ms/step [host wall clock]"
                       + (f", device span {span * 1e3:.2f} ms" if span else ", no device trace")
-                      + f"; read floor / step {read_floor / seconds:.0%} (copy-rate floor / step "
-                      f"{copy_floor / seconds:.0%}); compile {compile_s:.1f} s", flush=True)
+                      + f"; read floor / step {read_floor / seconds:.0%} (with K/V {kv_floor / seconds:.0%}; "
+                      f"copy-rate floor / step {copy_floor / seconds:.0%}); compile {compile_s:.1f} s", flush=True)
             caches = state["caches"]
             if args.json:  # after every executable: a timeout keeps what finished
                 with open(args.json, "w") as f:
