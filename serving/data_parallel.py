@@ -24,13 +24,32 @@ Why one process rather than P server processes behind a router: one tokenizer, o
 the same front ends (gRPC, HTTP, metrics, health, drain) over one more ``EngineService``,
 no inter-process hop for every streamed delta, and the router sees each delta as it
 passes, so its token counts cost nothing to keep. The risk is the GIL: every engine's
-host work (scheduling, padding, detokenizing) runs in the same interpreter. An engine
-thread releases the GIL while XLA runs and while it waits for the step's result, so the
-replicas' device work overlaps, but their host work does not. Measured by
-``benchmarks/dp_host_time.py`` on CPU devices (numbers in its docstring): see there
-before running many replicas of a small model, whose steps are mostly host time. P
-processes stay the way out where that bites (a router in front of ``shiftjax serve``
-instances); nothing here prevents it.
+host work (schedule, pad, place the batch, dispatch, unpack, detokenize) runs in one
+interpreter; only XLA's execution and the wait for a step's result release it. Measured
+with ``../shared/probes/dp_host_time.py`` (2026-11-29, this 2-core CPU shared with other
+work, load average about 15; each replica its own virtual CPU device; 8 requests of 24
+prompt and 48 output tokens per replica):
+
+- The default model, steps device-bound: host time per step 1.16 ms at P=1, 1.33 ms at
+  P=4 in threads (1.05 ms at P=4 in processes), against 361 ms (P=1) to 2.1 s (P=4) of
+  XLA per step; 3.97 of the 4 replicas' steps in flight on average. Here the GIL does not
+  serialise anything; the CPU devices' compute, which shares the two cores, is what does
+  not scale (13.9 tokens/s in threads, 11.0 in processes, 20.8 at P=1).
+- A 2-layer random Llama, steps host-bound (the GIL's worst case): host time per step
+  0.51 to 0.53 ms at P=1, 0.80 to 1.08 ms at P=4 in threads, 0.68 to 0.80 ms in
+  processes; but P=4 throughput was 2.5k to 8.2k tokens/s in threads over six runs (3.0k
+  to 3.6k at P=1) against a steady 6.5k to 9.1k in processes over five. Without host
+  work (a jitted matmul per call, 4 threads against 4 processes) threads and processes
+  ran alike (2.0 and 1.6 ms a call against 1.8 and 1.4, two runs), so the loss is the
+  engines' Python contending for the GIL (the Python side of dispatch included, which
+  the probe counts with XLA's time). ``sys.setswitchinterval(0.0002)`` did not help
+  consistently.
+
+So one process is right while steps are device-bound: the bound is P x host time per
+step < step time, and on an H200 (DESIGN.md: about 0.55 ms of host time in a 5.5 ms
+one-GPU 8B decode step) that is about ten replicas. For a small model with host-bound
+steps, P processes would serve up to 3x more; a replica here is any ``EngineService``,
+so a proxy to a ``shiftjax serve`` process behind this same router is the way there.
 """
 
 from __future__ import annotations
