@@ -171,25 +171,31 @@ WAIT_SECONDS = 30.0
 STEP_RACE = 1  # the info read before close() may come just before a step ends
 
 
+SERVE_ARGS = ["--dp", "2", "--max-model-len", "128", "--page-size", "16", "--num-pages", "24", "--max-num-seqs", "4",
+              "--max-num-batched-tokens", "64", "--token-buckets", "16,64", "--seq-buckets", "4",
+              "--no-compilation-cache"]
+
+
 @pytest.fixture(scope="module")
 def served():
-    """Replica 0's engine generates the offline expectations first, then joins the service;
-    replica 1 (device 1) builds on its engine thread meanwhile."""
+    """The service ``shiftjax serve --dp 2`` builds (replicas on devices 0 and 1, building on
+    their engine threads), with the offline expectations from an LLM on device 2 built
+    meanwhile, behind the gRPC server."""
     import jax
     from grpc_harness import ServerThread
 
+    from shiftjax.serving.engine_args import build_data_parallel_service
     from shiftjax.serving.llm import LLM
-    from shiftjax.serving.service import AsyncEngineService
+    from shiftjax.serving.metrics import Metrics
+    from shiftjax.serving.serve_cli import _parser
 
-    devices = jax.devices()
-    replica_1 = AsyncEngineService(lambda: LLM("default", devices=[devices[1]], **ENGINE).engine, None)
-    llm = LLM("default", devices=[devices[0]], **ENGINE)
-    replica_1.tokenizer = llm.tokenizer
+    metrics = Metrics()
+    dp = build_data_parallel_service(_parser().parse_args(SERVE_ARGS), observer=metrics, report=lambda line: None)
+    llm = LLM("default", devices=[jax.devices()[2]], **ENGINE)
     offline = [c.output_ids for c in llm.generate(PROMPTS, SamplingParams(max_tokens=6))]
-    dp = DataParallelService([AsyncEngineService(llm.engine, llm.tokenizer), replica_1], llm.tokenizer)
     assert dp.wait_ready(300)
     thread = ServerThread(dp)
-    yield {"dp": dp, "address": thread.address, "offline": offline}
+    yield {"dp": dp, "address": thread.address, "offline": offline, "metrics": metrics}
     thread.stop()
     dp.shutdown()
 
@@ -219,6 +225,7 @@ def test_concurrent_greedy_outputs_equal_offline_and_use_both_replicas(served):
     assert asyncio.run(run()) == served["offline"]
     replicas = served["dp"].info()["replicas"]
     assert [r["device"] for r in replicas] == ["cpu:0", "cpu:1"]
+    assert served["metrics"].registry.get_sample_value("shiftjax_startup_executables") == 4  # 2 per replica
     assert all(r["routed_requests"] >= 2 and r["steps"] > 0 for r in replicas), replicas
     assert all(r["free_pages"] == r["num_pages"] == ENGINE["num_pages"] - 1 for r in replicas)
 
