@@ -109,7 +109,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if self.service is None:
             await _abort(context, Unavailable("the server is starting: its executables are still compiling"))
         try:
-            return messages.server_info_from(self.service.info(), self.service.stats())
+            info = self.service.info()
+            trace = getattr(self.service, "step_trace", None)  # a data-parallel front has none
+            if request.include_step_trace and trace is not None:
+                info = {**info, "step_trace": trace()}
+            return messages.server_info_from(info, self.service.stats())
         except Exception as error:
             await _abort(context, error)
 

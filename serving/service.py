@@ -18,6 +18,7 @@ asynchronous scheduling (placeholder tokens, fixed up after the copy).
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import threading
@@ -40,6 +41,8 @@ from shiftjax.serving.protocol import (
 from shiftjax.serving.scheduler import Request
 from shiftjax.serving.service_info import service_info
 from shiftjax.serving.validation import validate_request
+
+STEP_TRACE_STEPS = 20_000  # about a minute of steps at 3 ms each; a few MB of JSON at most
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,10 @@ class AsyncEngineService:
         self._by_request: dict[Request, LiveRequest] = {}
         self._ids = itertools.count()
         self._ready = threading.Event()
+        # The last steps, for time lines (ServerInfo include_step_trace): bounded, and
+        # guarded because the engine thread appends while a front end copies.
+        self._step_trace: collections.deque[dict] = collections.deque(maxlen=STEP_TRACE_STEPS)
+        self._step_trace_lock = threading.Lock()
         self._startup_error: BaseException | None = None
         self._draining = False
         self._stopping = False
@@ -280,7 +287,19 @@ class AsyncEngineService:
             return None
         self._observe("on_step", mode=report.mode, num_tokens=report.num_tokens, num_seqs=len(report.requests),
                       seconds=report.seconds, switched=report.switched)
+        scheduler = self.engine.scheduler
+        step = {"time": time.time(), "mode": report.mode, "num_tokens": report.num_tokens,
+                "num_seqs": len(report.requests), "running": len(scheduler.running),
+                "waiting": len(scheduler.waiting) + len(self._inbox), "seconds": report.seconds}
+        with self._step_trace_lock:
+            self._step_trace.append(step)
         return report
+
+    def step_trace(self) -> list[dict]:
+        """The last ``STEP_TRACE_STEPS`` steps, oldest first: Unix ``time`` at the step's
+        end, ``mode``, ``num_tokens``, ``num_seqs``, ``running``, ``waiting``, ``seconds``."""
+        with self._step_trace_lock:
+            return list(self._step_trace)
 
     def _fail_step(self, failure: StepFailed, outgoing: dict) -> None:
         log.error("a step failed; failing its %d requests", len(failure.requests), exc_info=failure)

@@ -74,6 +74,8 @@ def test_concurrent_streams_equal_offline_greedy_output(service, reference):
     varied = [dict(temperature=0.9, top_p=0.8, seed=3), dict(temperature=1.2, min_p=0.2, top_k=7),
               dict(logprobs=True, top_logprobs=5), dict(stop=("AB", "Q"), max_tokens=30), dict(max_tokens=1)]
 
+    steps_before = service.stats().steps
+
     async def main():
         streams = [service.submit(request(p)) for p in PROMPTS * 3]
         others = [service.submit(request(PROMPTS[i % 4][:i + 1], **v)) for i, v in enumerate(varied)]
@@ -100,6 +102,12 @@ def test_concurrent_streams_equal_offline_greedy_output(service, reference):
     stats = service.stats()
     assert stats.ready and stats.running == stats.waiting == 0 and stats.free_pages == stats.num_pages
     assert stats.steps_by_mode["tp"] > 0 and stats.steps_by_mode["sp"] > 0
+    # The step trace holds this service's steps, each with the mode its token bucket picked
+    # (buckets 4 and 16, threshold 8: SP for steps of more than 4 tokens), and the queue.
+    trace = service.step_trace()
+    assert len(trace) == stats.steps - steps_before
+    assert all(step["mode"] == ("sp" if step["num_tokens"] > 4 else "tp") for step in trace)
+    assert [s["time"] for s in trace] == sorted(s["time"] for s in trace) and trace[-1]["waiting"] == 0
 
 
 def test_logprobs_and_top_alternatives(service, reference):

@@ -106,7 +106,7 @@ def run_deployment(process: ServerProcess, runs, out_dir: Path, sample_interval_
                 continue
             if spec.timeline:
                 result["server_samples"] = sampler.samples
-            step_trace = (process.server_info().get("info_json") or {}).get("step_trace") if spec.timeline else None
+            step_trace = (process.server_info(include_step_trace=True).get("info_json") or {}).get("step_trace") if spec.timeline else None
             if step_trace:
                 end = result["started_unix"] + result["summary"]["duration_s"]
                 result["step_trace"] = [s for s in step_trace if result["started_unix"] <= s["time"] <= end + 1.0]

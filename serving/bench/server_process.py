@@ -124,8 +124,9 @@ class ServerProcess:
         self.startup_seconds = time.monotonic() - began
         print(f"[{self.deployment.name}] SERVING after {self.startup_seconds:.1f} s", file=sys.stderr)
 
-    def server_info(self) -> dict:
-        """ServerInfo with ``info_json`` decoded (empty dict if the server cannot say)."""
+    def server_info(self, include_step_trace: bool = False) -> dict:
+        """ServerInfo with ``info_json`` decoded (empty dict if the server cannot say);
+        with ``include_step_trace``, its ``step_trace`` of the last steps."""
         from google.protobuf.json_format import MessageToDict
 
         from shiftjax.serving.proto.shiftjax.v1 import inference_pb2, inference_pb2_grpc
@@ -133,7 +134,7 @@ class ServerProcess:
         try:
             with grpc.insecure_channel(self.grpc_address) as channel:
                 reply = inference_pb2_grpc.InferenceServiceStub(channel).ServerInfo(
-                    inference_pb2.ServerInfoRequest(), timeout=30.0)
+                    inference_pb2.ServerInfoRequest(include_step_trace=include_step_trace), timeout=30.0)
         except grpc.RpcError as error:
             return {"error": f"{error.code().name}: {error.details()}"}
         info = MessageToDict(reply, preserving_proto_field_name=True)

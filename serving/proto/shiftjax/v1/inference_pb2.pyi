@@ -151,8 +151,10 @@ class DetokenizeResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class ServerInfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("include_step_trace",)
+    INCLUDE_STEP_TRACE_FIELD_NUMBER: _ClassVar[int]
+    include_step_trace: bool
+    def __init__(self, include_step_trace: _Optional[bool] = ...) -> None: ...
 
 class StepTiming(_message.Message):
     __slots__ = ("mode", "tokens", "seqs", "seconds")
