@@ -26,7 +26,7 @@ no inter-process hop for every streamed delta, and the router sees each delta as
 passes, so its token counts cost nothing to keep. The risk is the GIL: every engine's
 host work (schedule, pad, place the batch, dispatch, unpack, detokenize) runs in one
 interpreter; only XLA's execution and the wait for a step's result release it. Measured
-with ``../shared/probes/dp_host_time.py`` (2026-11-29, this 2-core CPU shared with other
+with ``benchmarks/dp_host_time.py`` (results in ``benchmarks/results/dp_host_time/``; 2026-11-29, this 2-core CPU shared with other
 work, load average about 15; each replica its own virtual CPU device; 8 requests of 24
 prompt and 48 output tokens per replica):
 

@@ -29,7 +29,8 @@ VIA_GPU_SCRIPT = {"roofline.py", "decode_variants.py", "model_gpu.py",  # test_g
 # test_script_smoke: script -> (arguments, the JSON file it must write into --out)
 SCRIPTS = {"shift_x2.py": (["--smoke"], "shift_x2.json"),
            "restore_gpu.py": (["--smoke"], "restore_gpu.json"),
-           "projection.py": (["--smoke"], "projection.json")}
+           "projection.py": (["--smoke"], "projection.json"),
+           "dp_host_time.py": (["--smoke"], "dp_host_time.json")}
 SLOW = {"shift_x2.py", "restore_gpu.py"}  # 6 and 1.5 minutes of wall clock on the shared 2-core machine
 
 
