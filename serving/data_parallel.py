@@ -38,16 +38,13 @@ prompt and 48 output tokens per replica):
 - A 2-layer random Llama, steps host-bound (the GIL's worst case): host time per step
   0.51 to 0.53 ms at P=1, 0.80 to 1.08 ms at P=4 in threads, 0.68 to 0.80 ms in
   processes; but P=4 throughput was 2.5k to 8.2k tokens/s in threads over six runs (3.0k
-  to 3.6k at P=1) against a steady 6.5k to 9.1k in processes over five. Without host
-  work (a jitted matmul per call, 4 threads against 4 processes) threads and processes
-  ran alike (2.0 and 1.6 ms a call against 1.8 and 1.4, two runs), so the loss is the
-  engines' Python contending for the GIL (the Python side of dispatch included, which
-  the probe counts with XLA's time). ``sys.setswitchinterval(0.0002)`` did not help
+  to 3.6k at P=1) against a steady 6.5k to 9.1k in processes over five: the engines'
+  Python contending for the GIL. ``sys.setswitchinterval(0.0002)`` did not help
   consistently.
 
 So one process is right while steps are device-bound: the bound is P x host time per
-step < step time, and on an H200 (DESIGN.md: about 0.55 ms of host time in a 5.5 ms
-one-GPU 8B decode step) that is about ten replicas. For a small model with host-bound
+step < step time; on an H200 the engine loop's host time was 2.2 ms against a 5.2 ms TP
+decode step (benchmarks/x2_results.md), so a few replicas, not more, before the GIL binds. For a small model with host-bound
 steps, P processes would serve up to 3x more; a replica here is any ``EngineService``,
 so a proxy to a ``shiftjax serve`` process behind this same router is the way there.
 """
