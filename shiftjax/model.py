@@ -171,12 +171,13 @@ def lm_logits(hidden: Float[Array, "seqs d"], embed, lm_head, dims: LocalDims) -
 def run_layers(layer_fn, x, layers: LayerWeights, k_cache, v_cache, ctx: Context, *, unrolled: bool = False):
     """Applies ``layer_fn`` over the stacked layers; the caches are threaded through.
 
-    ``lax.scan`` keeps compile time flat in depth (H200: 3.6 s at 2 layers, 2.7 s at 80),
+    ``lax.scan`` keeps compile time flat in depth (H200: 3.5 s at 2 layers, 3.2 s at 80),
     but XLA copies each layer's weights out of the stack (a dynamic-slice feeding the
-    GEMMs), which made a Llama-3-8B decode step 12.9 ms instead of 5.7 ms unrolled, whose
-    static slices fuse (89% of the weight-bandwidth floor; unrolled compiles in ~40 s at
-    32 layers). ``--xla_gpu_enable_dynamic_slice_fusion`` did not change it
-    (benchmarks/results/decode_variants_*.log). The caches are never sliced either way.
+    GEMMs), which made a Llama-3-8B decode step of 8 sequences 12.8 ms instead of 5.7 ms
+    unrolled, whose static slices fuse (57% of the read-only weight floor; unrolled
+    compiles in ~30 s at 32 layers). ``--xla_gpu_enable_dynamic_slice_fusion`` did not
+    change it (benchmarks/results/issue11_run1/, run_gpu_issue11.sh at bbf6263). The
+    caches are never sliced either way.
     """
     num_layers = layers.attn_norm.shape[0]
     if unrolled:
