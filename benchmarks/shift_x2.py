@@ -41,6 +41,7 @@ from shiftjax.steps import make_step, params_for  # noqa: E402
 from shiftjax.weights import shard_params  # noqa: E402
 
 PAGE = 16
+PARTS = "ceilings,correct,steps_mesh,steps_1gpu,engine"  # the default run; allreduce and collectives on request
 RESULTS: dict = {}
 
 
@@ -214,6 +215,8 @@ def step_table(smoke: bool, attention: str, profile: bool, where: str) -> dict:
         mesh = make_mesh(1, 1, jax.devices()[:1])
         shapes = {("tp", f"dec{n}"): decode_batch(n, ctx, max_pages) for n in (4, 8, 32, 64)}
         shapes[("tp", "pre1x2048")] = prefill_batch(1, prompt, max_pages)
+    if smoke:  # the code path, not the table: one decode and one prefill step per mesh
+        shapes = dict(list(shapes.items())[:1] + list(shapes.items())[-1:])
     weights = shard_params(params, config, mesh)
     del params
     out = {"layers": config.num_layers, "weight_bytes_per_device": weight_bytes_per_device(weights, mesh)}
@@ -278,7 +281,7 @@ def engine_loop(smoke: bool, attention: str) -> dict:
     prompt_len, decode_steps = (40, 4) if smoke else (1000, 24)
     weights = shard_params(device_random_params(config, jnp.bfloat16), config, make_mesh(1, 2, jax.devices()[:2]))
     out = {}
-    for seqs in (8, 64):
+    for seqs in ((8,) if smoke else (8, 64)):
         max_model_len = prompt_len + decode_steps + 8
         engine = Engine(weights, EngineConfig(max_model_len=max_model_len, max_num_seqs=seqs,
                                               num_pages=seqs * -(-max_model_len // PAGE) + 1,
@@ -302,7 +305,15 @@ def engine_loop(smoke: bool, attention: str) -> dict:
 
 
 def summarise(results: dict) -> dict:
-    """The issue's ratios from this run's own ceilings."""
+    """The issue's ratios from this run's own ceilings ({} when a part lacks a row, as in
+    --smoke, which runs one step of each kind)."""
+    try:
+        return _ratios(results)
+    except KeyError:
+        return {}
+
+
+def _ratios(results: dict) -> dict:
     if not all(isinstance(results.get(p), dict) and "error" not in results[p]
                for p in ("ceilings", "steps_mesh", "steps_1gpu")):
         return {}
@@ -330,7 +341,7 @@ def summarise(results: dict) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on 4 virtual CPU devices")
-    parser.add_argument("--parts", default="ceilings,correct,steps_mesh,steps_1gpu,engine")
+    parser.add_argument("--parts", default=PARTS)
     parser.add_argument("--merge", nargs="*", default=[], metavar="JSON",
                         help="earlier parts' JSON files to summarise together with this run")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -342,7 +353,7 @@ def main() -> int:
     profile = not args.smoke
     RESULTS.update(device=f"{jax.device_count()}x {jax.devices()[0].device_kind}", jax=jax.__version__,
                    commit=os.environ.get("COMMIT", "unknown"))
-    parts = [p for p in args.parts.split(",") if p]
+    os.makedirs(args.out, exist_ok=True)
     for path in args.merge:
         with open(path) as f:
             RESULTS.update({k: v for k, v in json.load(f).items() if k not in RESULTS})
@@ -352,6 +363,9 @@ def main() -> int:
                "allreduce": lambda: allreduce_variants(args.smoke, attention, profile),
                "collectives": lambda: collectives(args.smoke),
                "engine": lambda: engine_loop(args.smoke, attention)}
+    parts = [p for p in args.parts.split(",") if p]
+    if args.smoke and args.parts == PARTS:
+        parts = list(runners)  # every code path, the GPU-only variants included
     for part in parts:
         start = time.perf_counter()
         log(f"== {part}")
