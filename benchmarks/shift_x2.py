@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import model_gpu  # noqa: E402
 from model_gpu import LLAMA8B, SMOLLM2, device_random_params  # noqa: E402
 import roofline  # noqa: E402
 from roofline import device_time, time_fn  # noqa: E402
@@ -63,18 +64,8 @@ def ceilings(smoke: bool) -> dict:
 
 
 def decode_batch(n: int, ctx: int, max_pages: int):
-    b = empty_batch(n, n, max_pages)
-    per = ctx // PAGE + 1
-    for i in range(n):
-        pages = 1 + i * per + np.arange(per)
-        b.page_table[i, :per] = pages
-        b.seq_lens[i] = ctx + 1
-        b.positions[i] = ctx
-        b.slot_mapping[i] = pages[ctx // PAGE] * PAGE + ctx % PAGE
-        b.query_start[i + 1] = i + 1
-        b.sample_index[i] = i
-        b.token_ids[i] = i + 7
-    return b
+    """One greedy decode token for each of ``n`` sequences of ``ctx`` cached tokens."""
+    return model_gpu.decode_batch(n, ctx, PAGE, max_pages)
 
 
 def prefill_batch(n: int, t: int, max_pages: int):
