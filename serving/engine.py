@@ -144,7 +144,7 @@ class Engine:
         num_pages = self.page_pool.num_pages
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=min(config.max_num_batched_tokens, ladder.token_buckets[-1]),
-            max_num_seqs=min(config.max_num_seqs, ladder.seq_buckets[-1]),
+            max_num_seqs=min(config.max_num_seqs, ladder.max_seqs()),  # so every step fits a bucket
             max_model_len=config.max_model_len, page_size=config.page_size,
             num_pages=num_pages, max_queue=config.max_queue))
         self._cache_config = CacheConfig(num_pages=num_pages, page_size=config.page_size, dtype=dtype)

@@ -56,6 +56,12 @@ class BucketLadder:
         tokens = [-(-t // multiple) * multiple for t in ladder(min(min_tokens, max_tokens), max_tokens)]
         return cls(tuple(sorted(set(tokens))), tuple(ladder(1, max_seqs)))
 
+    def max_seqs(self) -> int:
+        """The most sequences a step can hold and still fit a bucket: the largest sequence
+        bucket that the largest token bucket is compiled for (a step of n sequences has at
+        least n tokens, so any smaller step finds a bucket on the way up)."""
+        return max(b for b in self.seq_buckets if b <= self.token_buckets[-1])
+
     def pairs(self):
         return [(t, b) for t in self.token_buckets for b in self.seq_buckets if b <= t]
 

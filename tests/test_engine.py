@@ -231,29 +231,19 @@ def test_bucket_ladder():
         BucketLadder((16, 8), (1,))
 
 
-def no_bucket_in(error):
-    """The :class:`NoBucket` that ``error`` is or was raised from, else None."""
-    while error is not None and not isinstance(error, NoBucket):
-        error = error.__cause__
-    return error
-
-
-def test_engine_raises_no_bucket_for_a_step_no_bucket_fits(engines):
-    # Token bucket 2 takes one sequence (sequence bucket 1); two sequences need sequence
-    # bucket 4, which no 2-token executable has. The first step prefills [9, 4]; the second
-    # holds its decode and the first token of [30, ...]: 2 tokens from 2 sequences.
+def test_every_step_fits_a_bucket_of_a_sparse_ladder(engines):
+    # Token bucket 2 is compiled for one sequence only (sequence bucket 4 > 2 tokens): two
+    # sequences in a 2-token step would fit no executable (NoBucket), so the scheduler takes
+    # one sequence per step and both requests finish.
     engine = engines(mode="tp", token_buckets=(2,), seq_buckets=(1, 4), max_num_batched_tokens=2)
     assert set(engine.executables.compiled) == {("tp", 2, 1), ("sp", 2, 1)}
-    requests = [engine.add_request(p, GREEDY) for p in PROMPTS[1:]]
-    engine.step()
-    with pytest.raises(Exception) as raised:
-        engine.step()
-    error = no_bucket_in(raised.value)
-    assert error is not None, f"expected NoBucket, got {raised.value!r}"
-    assert "2 tokens and 2 sequences" in str(error)
-    for request in requests:
-        engine.abort(request)
-    assert not engine.scheduler.has_work
+    assert engine.scheduler.config.max_num_seqs == 1
+    with pytest.raises(NoBucket, match="2 tokens and 2 sequences"):
+        engine.executables.ladder.pick(2, 2)
+    requests = [engine.add_request(p, GREEDY) for p in PROMPTS[1:3]]
+    engine.run_until_done(requests)
+    assert all(len(r.output_ids) == GREEDY.max_tokens for r in requests)
+    assert BucketLadder((2, 16), (1, 8)).max_seqs() == 8 and BucketLadder((2,), (1, 4)).max_seqs() == 1
 
 
 def test_sp_buckets_must_divide(weights):
