@@ -401,7 +401,7 @@ def main() -> int:
     parser.add_argument("--collectives", default=str(HERE / "results/x2_run3/collectives.json"),
                         help="shift_x2.py --parts collectives output (its JSON, or that part of it)")
     parser.add_argument("--steps-1gpu", default=str(HERE / "results/x2_run2/steps_1gpu.json"))
-    parser.add_argument("--trace", default=str(HERE.parent.parent / "shared/traces/azure2023_code.csv"))
+    parser.add_argument("--trace", default=str(HERE / "traces/azure2023_code.csv"))
     parser.add_argument("--trace-start", type=float, default=600.0)
     parser.add_argument("--trace-duration", type=float, default=600.0)
     parser.add_argument("--time-scales", type=float, nargs="*", default=[1.0, 0.5],

@@ -19,7 +19,7 @@ from shiftjax.serving.bench.workloads import (
     window_trace,
 )
 
-AZURE_CODE = Path("/work/shared/traces/azure2023_code.csv")
+AZURE_CODE = Path(__file__).resolve().parents[1] / "benchmarks/traces/azure2023_code.csv"
 
 
 def test_random_lengths_exact_without_range_ratio():
@@ -126,7 +126,6 @@ def test_read_trace_names_the_problem(tmp_path):
         read_trace(bad_jsonl)
 
 
-@pytest.mark.skipif(not AZURE_CODE.is_file(), reason="the shared traces are not here")
 def test_azure_code_trace_replays():
     rows = read_trace(AZURE_CODE)
     assert len(rows) == 8819

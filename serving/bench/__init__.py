@@ -9,7 +9,7 @@
         --goodput ttft:500 tpot:50 --device "2x H200" --result-file run.json
 
     shiftjax bench serve --server 127.0.0.1:8000 --backend openai \\
-        --dataset trace --trace ../shared/traces/azure2023_code.csv \\
+        --dataset trace --trace benchmarks/traces/azure2023_code.csv \\
         --start 600 --duration 1800 --time-scale 0.1
 
 ``bench compare`` starts each deployment (a ``shiftjax serve`` command line), waits for
@@ -26,7 +26,7 @@ gRPC health SERVING, runs the same seeded workloads, stops it with SIGTERM, and 
         {"name": "single", "input_len": 4096, "output_len": 250, "num_prompts": 8, "max_concurrency": 1},
         {"name": "sweep", "input_len": 4096, "output_len": 250, "num_prompts": 200,
          "request_rates": [1, 2, 4, 8, "inf"]},
-        {"name": "azure code", "dataset": "trace", "trace": "../shared/traces/azure2023_code.csv",
+        {"name": "azure code", "dataset": "trace", "trace": "benchmarks/traces/azure2023_code.csv",
          "time_scale": 0.05, "timeline": true}]
 
 Workload keys are ``bench serve``'s options in snake_case; options given on the
