@@ -29,10 +29,11 @@ VIA_GPU_SCRIPT = {"roofline.py", "decode_variants.py", "model_gpu.py",  # test_g
 # test_script_smoke: script -> (arguments, the JSON file it must write into --out)
 SCRIPTS = {"shift_x2.py": (["--smoke"], "shift_x2.json"),
            "projection.py": (["--smoke"], "projection.json"),
-           "dp_host_time.py": (["--smoke"], "dp_host_time.json")}
+           "dp_host_time.py": (["--smoke"], "dp_host_time.json"),
+           "x8_checks.py": (["--dry-run"], "x8_checks.json")}
 # restore_gpu.py --smoke runs in tests/test_sharded_restore.py, which checks its phases' results
 SMOKED_ELSEWHERE = {"restore_gpu.py"}
-SLOW = {"shift_x2.py"}  # about a minute of wall clock on a 2-core machine
+SLOW = {"shift_x2.py", "x8_checks.py"}  # about a minute of wall clock each on a 2-core machine
 
 
 def run(cmd, env_extra=None, timeout=900, cwd=ROOT):
