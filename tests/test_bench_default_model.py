@@ -3,12 +3,12 @@ tp 2 CPU mesh, threshold policy), through both front ends: every request gets ex
 asked number of tokens (ignore_eos), and the modes the steps ran in come back in usage."""
 
 import asyncio
-import socket
 import time
 
 import pytest
 
 from shiftjax.serving.bench.serve_bench import ServeBenchConfig, run_serve_bench
+from loopback import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -16,12 +16,6 @@ pytestmark = pytest.mark.slow
 # the 8-token decode steps stay below it (TP)
 ENGINE = dict(max_model_len=128, page_size=16, num_pages=64, max_num_seqs=8, max_num_batched_tokens=64,
               token_buckets=(16, 64), seq_buckets=(8,), mode="auto", shift_threshold=32)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

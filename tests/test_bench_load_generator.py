@@ -13,14 +13,9 @@ import pytest
 from shiftjax.serving.bench.cli import bench_main
 from shiftjax.serving.bench.fake_server import FakeEngine, FakeServer
 from shiftjax.serving.bench.serve_bench import ServeBenchConfig, build_workload, run_serve_bench
+from loopback import free_port
 
 PREFILL, TOKEN = 0.05, 0.02
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_against_fake(config_kwargs: dict, *, http: bool = False, engine_kwargs: dict | None = None):

@@ -2,13 +2,13 @@
 their test services (no model): the wire formats the bench parses are the servers' own."""
 
 import asyncio
-import socket
 import threading
 import time
 
 import pytest
 
 from shiftjax.serving.bench.serve_bench import ServeBenchConfig, run_serve_bench
+from loopback import free_port
 
 
 class VocabOnly:
@@ -41,12 +41,6 @@ def test_grpc_backend_against_the_grpc_server():
     assert all(len(r["itl"]) == 5 and r["ttft"] >= 0.004 for r in result["requests"])
     assert summary["mode_steps"] == {"tp": 72}
     assert result["server_info"]["model"] == "fake"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -18,6 +17,7 @@ from shiftjax.serving.data_parallel import DataParallelService, StartupSummer, p
 from shiftjax.serving.errors import InvalidRequest, Overloaded
 from shiftjax.serving.protocol import GenerationRequest
 from shiftjax.serving.sampling_params import SamplingParams
+from loopback import wait_for
 
 
 class VocabOnly:
@@ -202,15 +202,6 @@ def served():
 
 def replicas_info(client) -> list[dict]:
     return json.loads(client.info().info_json)["replicas"]
-
-
-def wait_for(condition, seconds: float) -> bool:
-    give_up = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > give_up:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 @pytest.mark.slow

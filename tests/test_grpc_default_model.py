@@ -10,8 +10,6 @@ One engine serves the module: the offline expectations are generated on it first
 
 import asyncio
 import json
-import socket
-import time
 
 import grpc
 import pytest
@@ -19,6 +17,7 @@ import pytest
 from shiftjax.serving.client import AsyncClient, Client
 from shiftjax.serving.proto.shiftjax.v1 import inference_pb2 as pb
 from shiftjax.serving.sampling_params import SamplingParams
+from loopback import free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -63,21 +62,6 @@ def client(served):
     with Client(served["thread"].address, timeout=120.0) as c:
         c.wait_until_serving(120.0, poll_seconds=0.1)
         yield c
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(condition, seconds: float) -> bool:
-    give_up = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > give_up:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_streamed_greedy_tokens_equal_offline_generate(client, served):

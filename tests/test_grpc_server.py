@@ -16,6 +16,7 @@ from shiftjax.checkpoints.default_model import default_model_path
 from shiftjax.checkpoints.tokenizer import Tokenizer
 from shiftjax.serving.client import Client
 from shiftjax.serving.proto.shiftjax.v1 import inference_pb2 as pb
+from loopback import wait_for
 
 FREE_AT_ONCE_SECONDS = 0.5  # how soon pages must be back after a cancel or an expired deadline
 
@@ -42,15 +43,6 @@ def client(server):
     with Client(server.address, timeout=30.0) as c:
         c.wait_until_serving(10.0, poll_seconds=0.05)
         yield c
-
-
-def wait_for(condition, seconds: float) -> bool:
-    give_up = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > give_up:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_checked_in_generated_code_is_what_protoc_writes():

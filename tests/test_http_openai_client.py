@@ -11,6 +11,7 @@ import pytest
 from http_fake_service import REPLY, FakeService, logprob_of
 from http_live_server import live_server
 from shiftjax.serving.http_server import create_app
+from loopback import wait_for
 
 KEY = "test-key"
 CHAT = [{"role": "user", "content": "hi"}]
@@ -28,15 +29,6 @@ def client(served):
     service, url = served
     service.token_delay, service.echo = 0.0, False
     return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=30)
-
-
-def wait_for(condition, seconds=5.0):
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_completions(client):

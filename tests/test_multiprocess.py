@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -10,16 +9,11 @@ import pytest
 from hf_tiny import make_tiny_hf_checkpoint
 
 from shiftjax.checkpoints import convert_hf_checkpoint
+from loopback import free_port
 
 ARGS = ["--sp", "2", "--tp", "4", "--mode", "alternate", "--max-tokens", "8", "--json",
         "--max-model-len", "32", "--max-num-batched-tokens", "16", "--token-buckets", "8,16",
         "--seq-buckets", "2", "--prompt-ids", "1,5,9,40,77,3", "--prompt-ids", "1,64,65"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(*args):

@@ -4,7 +4,6 @@ its end before exiting 0."""
 
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,18 +13,13 @@ import grpc
 import pytest
 
 from shiftjax.serving.client import Client
+from loopback import free_port
 
 pytestmark = pytest.mark.slow
 
 ENGINE_ARGS = ["--cpu-devices", "4", "--sp", "2", "--tp", "2", "--max-model-len", "128", "--num-pages", "32",
                "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--token-buckets", "16,64",
                "--seq-buckets", "4", "--shift-threshold", "32"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServeProcess:
