@@ -35,6 +35,24 @@ CONFIGS = {"smol": SMOL_HF, "qwen": QWEN_HF}
 MESHES = [(1, 1), (2, 2), (1, 4), (4, 2)]
 
 
+def held_bytes_per_device(weights) -> collections.Counter:
+    """Bytes of distinct non-norm weight buffers on each device, under both views; asserts
+    on the way that no such weight is whole on every device and every shard has its shape."""
+    held, seen = collections.Counter(), set()
+    for name, leaf in weight_leaves(weights).items():
+        if not name.endswith("norm"):
+            assert not leaf.sharding.is_fully_replicated, f"{name} is replicated on every device"
+        for shard in leaf.addressable_shards:
+            assert shard.data.shape == leaf.sharding.shard_shape(leaf.shape), name
+            # (device, pointer): on the CPU a device_put may alias the host array, so two
+            # devices can share a pointer.
+            buffer = (shard.device, shard.data.unsafe_buffer_pointer())
+            if buffer not in seen and not name.endswith("norm"):
+                seen.add(buffer)
+                held[shard.device] += shard.data.nbytes
+    return held
+
+
 def weight_leaves(weights) -> dict[str, jax.Array]:
     """Every array of both views, keyed by view and path."""
     leaves = {}
@@ -146,19 +164,7 @@ def test_devices_receive_only_their_blocks(checkpoints, monkeypatch):
 
     shapes = param_shapes(config)
     assert sorted(replicated_puts) == sorted(shapes[name] for name in REPLICATED_TENSORS)
-    held = collections.Counter()  # distinct buffers per device under both views
-    seen = set()
-    for name, leaf in weight_leaves(weights).items():
-        if not name.endswith("norm"):
-            assert not leaf.sharding.is_fully_replicated, f"{name} is replicated on every device"
-        for shard in leaf.addressable_shards:
-            assert shard.data.shape == leaf.sharding.shard_shape(leaf.shape), name
-            # (device, pointer): on the CPU a device_put may alias the host array, so two
-            # devices can share a pointer.
-            buffer = (shard.device, shard.data.unsafe_buffer_pointer())
-            if buffer not in seen and not name.endswith("norm"):
-                seen.add(buffer)
-                held[shard.device] += shard.data.nbytes
+    held = held_bytes_per_device(weights)
     assert received == held
     # Aliased storage: each device holds sp blocks of every layer weight (its TP shard) and
     # one block of the vocabulary arrays and biases, nothing more.
