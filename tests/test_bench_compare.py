@@ -126,3 +126,38 @@ def test_a_failing_run_is_recorded_and_the_next_one_still_runs(tmp_path):
     assert passed["result"]["summary"]["completed"] == 2
     assert deployment["exit_code"] == 0
     assert "over grpc" in (out / "compare.md").read_text()
+
+
+def test_merge_joins_reports_of_separate_invocations(tmp_path):
+    """run_compare.sh runs one deployment per ``bench compare`` (each under its own time
+    limit); ``bench merge`` makes them one report, table and plots."""
+    deployments = tmp_path / "deployments.json"
+    deployments.write_text(json.dumps({"device": "loopback", "deployments": [
+        {"name": "fast", "command": FAKE + ["--token-delay", "0.004", "--sp-from", "3"]},
+        {"name": "slow", "command": FAKE + ["--token-delay", "0.02", "--sp-from", "3"]}]}))
+    single = {"name": "single", "input_len": 8, "output_len": 3, "num_prompts": 2, "max_concurrency": 1}
+    burst = {"name": "burst", "input_len": 8, "output_len": 3, "num_prompts": 4}
+    common = ["--deployments", str(deployments), "--vocab-size", "300", "--no-progress"]
+    for name, workloads in [("fast", [single, burst]), ("slow", [single]), ("slow", [burst])]:
+        out = tmp_path / f"{name}_{workloads[-1]['name']}"
+        assert bench_main(["compare", *common, "--workloads", json.dumps(workloads), "--only", name,
+                           "--out-dir", str(out)]) == 0
+    reports = sorted(str(p) for p in tmp_path.glob("*_*/compare.json"))
+    assert len(reports) == 3
+    merged = tmp_path / "merged"
+    assert bench_main(["merge", *reports, "--out-dir", str(merged)]) == 0
+    report = json.loads((merged / "compare.json").read_text())
+    assert report["device"] == "loopback"
+    assert sorted(w["name"] for w in report["workloads"]) == ["burst", "single"]
+    runs = {d["name"]: sorted(r["workload"] for r in d["runs"]) for d in report["deployments"]}
+    assert runs == {"fast": ["burst", "single"], "slow": ["burst", "single"]}
+    table = (merged / "compare.md").read_text()
+    assert sum(line.startswith("| slow ") for line in table.splitlines()) == 2
+
+    # reports that cannot be one: another device, or one workload name for two workloads
+    other = json.loads((tmp_path / "fast_burst" / "compare.json").read_text())
+    (tmp_path / "other.json").write_text(json.dumps(other | {"device": "elsewhere"}))
+    assert bench_main(["merge", reports[0], str(tmp_path / "other.json"), "--out-dir", str(tmp_path / "x")]) == 2
+    other["workloads"][0]["options"]["num_prompts"] = 99
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert bench_main(["merge", reports[0], str(tmp_path / "other.json"), "--out-dir", str(tmp_path / "x")]) == 2

@@ -31,16 +31,41 @@ def test_llama31_configs(name, hidden, intermediate, layers, heads):
 COMPARE = CONFIGS / "compare"
 
 
-@pytest.mark.parametrize("prefix", ["cpu_default", "h200x2_llama8b"])
+@pytest.mark.parametrize("prefix", ["cpu_default", "cpu_x2_default", "h200x2_llama8b"])
 def test_compare_files_read_and_plan(prefix, monkeypatch):
     from shiftjax.serving.bench.compare import planned_runs, read_workloads
     from shiftjax.serving.bench.server_process import read_deployments
 
     deployments, meta = read_deployments(COMPARE / f"{prefix}_deployments.json")
     assert meta["device"] and {d.name for d in deployments} == {"tp", "sp", "shift", "shift-threshold", "dp"}
-    assert all("{port}" in d.command and "{http_port}" in d.command for d in deployments)
     specs = read_workloads([str(COMPARE / f"{prefix}_workloads.json")])
+    uses_http = any(s.options.get("backend") == "openai" for s in specs)
+    assert all("{port}" in d.command and ("{http_port}" in d.command or not uses_http) for d in deployments)
     monkeypatch.chdir(CONFIGS.parents[1])  # trace paths are relative to the repository root
-    runs = planned_runs([s for s in specs if s.options.get("dataset") != "trace" or prefix == "cpu_default"],
+    runs = planned_runs([s for s in specs if s.options.get("dataset") != "trace" or prefix.startswith("cpu")],
                         {"vocab_size": 1000})
     assert runs and all(len(workload.requests) > 0 for *_, workload in runs)
+
+
+@pytest.mark.parametrize("prefix", ["h200x2_llama8b", "h200x8_llama70b"])
+def test_gpu_compare_files_need_nothing_the_gpu_machines_lack(prefix):
+    """The lent GPU machines run the checkout uninstalled, without FastAPI or the default
+    model's GGUF package: their servers start through ``{python} -P -m``, serve gRPC only,
+    and take the default model's tokenizer from the repository."""
+    from shiftjax.serving.bench.server_process import read_deployments
+
+    deployments, _ = read_deployments(COMPARE / f"{prefix}_deployments.json")
+    for d in deployments:
+        command = " ".join(d.command)
+        assert command.startswith("{python} -P -m shiftjax.serving.cli serve "), command
+        assert "--http-port" not in command and "--tokenizer benchmarks/configs/smollm2-tokenizer" in command
+        assert d.env.get("NCCL_NVLS_ENABLE") == "0"
+
+
+def test_committed_tokenizer_is_the_default_models():
+    """benchmarks/configs/smollm2-tokenizer is the default model's tokenizer, byte for byte."""
+    from shiftjax.checkpoints.default_model import default_model_path
+
+    checkpoint = default_model_path()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (CONFIGS / "smollm2-tokenizer" / name).read_bytes() == (checkpoint / name).read_bytes(), name

@@ -1,5 +1,5 @@
-"""``shiftjax bench serve|compare|plot``: the load generator, the deployment comparison,
-and its plots redrawn from a saved report."""
+"""``shiftjax bench serve|compare|merge|plot``: the load generator, the deployment
+comparison, several comparisons merged into one report, and its plots redrawn."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import sys
 def bench_main(argv: list[str]) -> int:
     commands = {"serve": "shiftjax.serving.bench.serve_bench:serve_main",
                 "compare": "shiftjax.serving.bench.compare:compare_main",
+                "merge": "shiftjax.serving.bench.compare:merge_main",
                 "plot": "shiftjax.serving.bench.compare_plots:plot_main"}
     if not argv or argv[0] not in commands:
-        print("usage: shiftjax bench {serve,compare,plot} ... (--help on either)", file=sys.stderr)
+        print("usage: shiftjax bench {serve,compare,merge,plot} ... (--help on either)", file=sys.stderr)
         return 2
     import importlib
 

@@ -84,8 +84,10 @@ def planned_runs(specs: list[WorkloadSpec], common: dict) -> list[tuple[Workload
     return runs
 
 
-def run_deployment(process: ServerProcess, runs, out_dir: Path, sample_interval_s: float = 0.25) -> dict:
-    """Starts one deployment, runs every planned run against it, stops it."""
+def run_deployment(process: ServerProcess, runs, out_dir: Path, sample_interval_s: float = 0.25,
+                   on_run=lambda entry: None) -> dict:
+    """Starts one deployment, runs every planned run against it, stops it; ``on_run(entry)``
+    after each run (the caller saves what ran, so a killed invocation keeps it)."""
     entry = {"name": process.deployment.name, "command": process.command, "runs": [], "error": None}
     try:
         process.start()
@@ -111,6 +113,7 @@ def run_deployment(process: ServerProcess, runs, out_dir: Path, sample_interval_
                 end = result["started_unix"] + result["summary"]["duration_s"]
                 result["step_trace"] = [s for s in step_trace if result["started_unix"] <= s["time"] <= end + 1.0]
             entry["runs"].append({"workload": spec.name, "request_rate": rate, "result": result})
+            on_run(entry)
     except RuntimeError as error:
         entry["error"] = str(error)
         print(str(error), file=sys.stderr)
@@ -203,21 +206,73 @@ def compare_main(argv: list[str]) -> int:
         return 2
     device = args.device or meta.get("device")
     report = {"device": device, "workloads": [dataclasses.asdict(s) for s in specs], "deployments": []}
-    for deployment in deployments:
-        process = ServerProcess(deployment, out_dir / "logs" / f"{deployment.name}.log")
-        report["deployments"].append(run_deployment(process, runs, out_dir, args.sample_interval))
-        for run in report["deployments"][-1]["runs"]:
+    def save(entry=None):
+        """compare.json with what has run so far: a crash or a time limit keeps it."""
+        for run in (entry or report["deployments"][-1])["runs"]:
             if "result" in run:
                 run["result"]["device"] = device
-        write_json(report, out_dir / "compare.json")  # after each deployment: a crash keeps what ran
+        write_json(report | {"deployments": report["deployments"] + ([entry] if entry else [])},
+                   out_dir / "compare.json")
+
+    for deployment in deployments:
+        process = ServerProcess(deployment, out_dir / "logs" / f"{deployment.name}.log")
+        report["deployments"].append(run_deployment(process, runs, out_dir, args.sample_interval, on_run=save))
+        save()
+    return write_report(report, out_dir)
+
+
+def write_report(report: dict, out_dir: Path) -> int:
+    """compare.json, compare.md (the table, also printed) and the plots of ``report``;
+    1 if a deployment or one of its runs failed, else 0."""
     table = format_table(table_rows(report))
     print(table)
-    (out_dir / "compare.md").write_text(f"device: {device}\n\n{TABLE_NOTE}\n\n{table}\n")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "compare.md").write_text(f"device: {report['device']}\n\n{TABLE_NOTE}\n\n{table}\n")
     from shiftjax.serving.bench.compare_plots import write_plots
 
     report["plots"] = [str(p) for p in write_plots(report, out_dir)]
     write_json(json_safe(report), out_dir / "compare.json")
-    failed = [d["name"] for d in report["deployments"] if d["error"] or any("error" in r for r in d["runs"])]
+    failed = [d["name"] for d in report["deployments"] if d.get("error") or any("error" in r for r in d["runs"])]
     if failed:
         print(f"shiftjax bench compare: these deployments failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def merge_reports(reports: list[dict]) -> dict:
+    """One report from several ``bench compare`` reports of the same device (e.g. one
+    deployment per invocation, so that each has its own time limit): the workloads of all
+    (a name used twice must describe the same workload), and each deployment's runs
+    (a deployment in several reports has its runs appended, in order)."""
+    if not reports:
+        raise ValueError("nothing to merge")
+    devices = {r.get("device") for r in reports}
+    if len(devices) != 1:
+        raise ValueError(f"reports of different devices cannot be merged: {sorted(map(str, devices))}")
+    workloads, deployments = {}, {}
+    for report in reports:
+        for spec in report["workloads"]:
+            if workloads.setdefault(spec["name"], spec) != spec:
+                raise ValueError(f"workload {spec['name']!r} differs between the reports")
+        for deployment in report["deployments"]:
+            if deployment["name"] in deployments:
+                merged = deployments[deployment["name"]]
+                merged["runs"] = merged["runs"] + deployment["runs"]
+                merged["error"] = merged.get("error") or deployment.get("error")
+            else:
+                deployments[deployment["name"]] = dict(deployment)
+    return {"device": devices.pop(), "workloads": list(workloads.values()), "deployments": list(deployments.values())}
+
+
+def merge_main(argv: list[str]) -> int:
+    """``shiftjax bench merge a/compare.json b/compare.json ... --out-dir DIR``: one
+    report, table and plots from several ``bench compare`` runs."""
+    parser = argparse.ArgumentParser(prog="shiftjax bench merge", description=merge_main.__doc__)
+    parser.add_argument("reports", nargs="+", type=Path, help="compare.json files written by bench compare")
+    parser.add_argument("--out-dir", required=True, type=Path)
+    args = parser.parse_args(argv)
+    try:
+        report = merge_reports([json.loads(path.read_text()) for path in args.reports])
+    except (ValueError, OSError, KeyError) as error:
+        print(f"shiftjax bench merge: {error}", file=sys.stderr)
+        return 2
+    return write_report(report, args.out_dir)

@@ -87,5 +87,7 @@ def json_safe(value):
 def write_json(result: dict, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(json_safe(result), indent=1, allow_nan=False) + "\n")
+    partial = path.with_name(path.name + ".partial")  # a process killed mid-write leaves the old file whole
+    partial.write_text(json.dumps(json_safe(result), indent=1, allow_nan=False) + "\n")
+    partial.replace(path)
     print(f"result written to {path}", file=sys.stderr)
