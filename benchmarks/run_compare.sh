@@ -60,7 +60,7 @@ for name, keep in {"all": lambda s: True, "load": lambda s: s.get("dataset") != 
                    "trace": lambda s: s.get("dataset") == "trace"}.items():
     json.dump([s for s in specs if keep(s)], open(f"{sys.argv[2]}/{name}.json", "w"), indent=1)
 EOF
-COMPARE=("$PY" -P -m shiftjax.serving.cli bench compare --deployments "$CONFIGS/${PREFIX}_deployments.json")
+COMPARE=("$PY" -P -m shiftjax.serving.cli bench compare --deployments "$CONFIGS/${PREFIX}_deployments.json" ${COMPARE_ARGS:-})
 for item in $STEPS; do
   workloads=${item%%:*} deployment=${item#*:}
   case "$workloads" in all|load|trace) ;; *) echo "bad step $item (want all|load|trace:NAME)" >&2; exit 2;; esac

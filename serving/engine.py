@@ -116,7 +116,12 @@ class Engine:
                 f"max_model_len ({config.max_model_len}) exceeds the model's "
                 f"max_position_embeddings ({model.max_position_embeddings})")
         sp = weights.dims.sp
-        self.modes = ("tp", "sp") if sp > 1 else ("tp",)
+        # A fixed mode compiles only its own executables (half the start-up on a mesh);
+        # auto and alternate need both.
+        if sp == 1:
+            self.modes = ("tp",)
+        else:
+            self.modes = (config.mode,) if config.mode in ("tp", "sp") else ("tp", "sp")
         if config.token_buckets is None:
             ladder = exe.BucketLadder.geometric(
                 config.max_num_batched_tokens, config.max_num_seqs, multiple=sp)

@@ -116,12 +116,21 @@ def batch_sharding(weights: ModelWeights) -> NamedSharding:
     return NamedSharding(weights.mesh, REPLICATED)
 
 
+def compile_workers(platform: str) -> int:
+    """How many executables compile at once. On the CPU, all of them (XLA compiles outside
+    the GIL). On a GPU, one: concurrent compiles there each autotune the same GEMM fusions
+    again, one at a time under the autotuner's per-device lock (16 concurrent 32-layer
+    compiles on 2x H200 had not finished one in 520 s; benchmarks/results/compare_x2/), while
+    a compile after another reuses its autotuning results (3 more mesh executables took
+    12.6 s after 6 had taken 108 s; benchmarks/x2_results.md)."""
+    return 1 if platform == "gpu" else (os.cpu_count() or 1)
+
+
 def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, modes, *,
                 max_pages: int, attention: str = "auto", layer_loop: str = "scan",
-                max_top_logprobs: int = 0, progress=None) -> Executables:
+                max_top_logprobs: int = 0, progress=None, workers: int | None = None) -> Executables:
     """Lowers every (mode, bucket) step against the real params and caches, then compiles
-    them concurrently (XLA compiles outside the GIL; an unrolled 32-layer step takes ~40 s
-    on the H200 host, so a ladder compiled one by one would take minutes).
+    them, ``workers`` at a time (default :func:`compile_workers` of the devices' platform).
 
     ``progress(done, total, elapsed_seconds)``, if given, is called as each one finishes.
     Counts the executables JAX's persistent compilation cache supplied (its
@@ -137,7 +146,7 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
             return key, compiled, time.perf_counter() - began
 
         compiled, seconds = {}, {}
-        workers = min(len(lowered), os.cpu_count() or 1)
+        workers = min(len(lowered), workers or compile_workers(weights.mesh.devices.flat[0].platform))
         with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
             for future in concurrent.futures.as_completed([pool.submit(compile_one, k) for k in lowered]):
                 key, executable, elapsed = future.result()

@@ -120,6 +120,8 @@ def test_every_mode_gives_the_same_greedy_tokens(engines, tp_outputs, mode):
     modes = [m for r in requests for m in r.modes]
     if mode == "alternate":
         assert {"tp", "sp"} <= set(modes) and engine.stats["switches"] == engine.stats["steps"] - 1
+    compiled_modes = {m for m, _, _ in engine.executables.compiled}
+    assert compiled_modes == ({"sp"} if mode == "sp" else {"tp", "sp"})  # a fixed mode compiles its own only
     if mode == "sp":
         assert set(modes) == {"sp"}
     if mode == "auto":  # picks per bucket from the measured executable times
@@ -236,7 +238,7 @@ def test_every_step_fits_a_bucket_of_a_sparse_ladder(engines):
     # sequences in a 2-token step would fit no executable (NoBucket), so the scheduler takes
     # one sequence per step and both requests finish.
     engine = engines(mode="tp", token_buckets=(2,), seq_buckets=(1, 4), max_num_batched_tokens=2)
-    assert set(engine.executables.compiled) == {("tp", 2, 1), ("sp", 2, 1)}
+    assert set(engine.executables.compiled) == {("tp", 2, 1)}  # a fixed mode compiles only its own
     assert engine.scheduler.config.max_num_seqs == 1
     with pytest.raises(NoBucket, match="2 tokens and 2 sequences"):
         engine.executables.ladder.pick(2, 2)
