@@ -61,19 +61,19 @@ for name, keep in {"all": lambda s: True, "load": lambda s: s.get("dataset") != 
     json.dump([s for s in specs if keep(s)], open(f"{sys.argv[2]}/{name}.json", "w"), indent=1)
 EOF
 COMPARE=("$PY" -P -m shiftjax.serving.cli bench compare --deployments "$CONFIGS/${PREFIX}_deployments.json" ${COMPARE_ARGS:-})
+reports=()
 for item in $STEPS; do
   workloads=${item%%:*} deployment=${item#*:}
   case "$workloads" in all|load|trace) ;; *) echo "bad step $item (want all|load|trace:NAME)" >&2; exit 2;; esac
   step "${workloads}_$deployment" "$STEP_TIMEOUT" "${COMPARE[@]}" --workloads "$WORK/$workloads.json" \
     --only "$deployment" --out-dir "$WORK/${workloads}_$deployment"
+  [ -f "$WORK/${workloads}_$deployment/compare.json" ] && reports+=("$WORK/${workloads}_$deployment/compare.json")
 done
 
-# every step's report (each written after its deployment finished) as one
-reports=$(ls "$WORK"/*/compare.json 2>/dev/null)
-if [ -n "$reports" ]; then
-  # shellcheck disable=SC2086
-  "$PY" -P -m shiftjax.serving.cli bench merge $reports --out-dir "$OUT/merged" > "$WORK/merge.log" 2>&1
-  echo "merge: exit $? ($(echo $reports | wc -w) reports)" | tee -a "$OUT/steps.txt"
+# every step's report (saved after each of its runs) as one, in STEPS order
+if [ "${#reports[@]}" -gt 0 ]; then
+  "$PY" -P -m shiftjax.serving.cli bench merge "${reports[@]}" --out-dir "$OUT/merged" > "$WORK/merge.log" 2>&1
+  echo "merge: exit $? (${#reports[@]} reports)" | tee -a "$OUT/steps.txt"
   mkdir -p "$WORK/merged_plots"; mv "$OUT/merged"/*.png "$WORK/merged_plots/" 2>/dev/null  # in the tarball
 fi
 cp "$OUT/steps.txt" "$WORK/" 2>/dev/null

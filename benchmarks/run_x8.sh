@@ -12,6 +12,8 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   export PREFIX=cpu_x8_default CHECK_ARGS=--dry-run TOTAL="${TOTAL_DRY:-1800}" PY="${PY:-.venv/bin/python}"
 else
   export PREFIX=h200x8_llama70b CHECK_ARGS= PY="${PY:-python3}"
+  # the bench client's tokenizer: the GPU machines lack the default model's GGUF package
+  export COMPARE_ARGS="${COMPARE_ARGS:---tokenizer benchmarks/configs/smollm2-tokenizer}"
 fi
 OUT="${OUT:-./bench_out}"; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd); export OUT
 # SKIP_CHECKS=1 for a later call that only takes compare steps

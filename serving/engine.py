@@ -10,12 +10,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 
 from shiftjax.cache import CacheConfig, allocate_cache
 from shiftjax.serving import executables as exe
 from shiftjax.serving import page_pool
+from shiftjax.serving.executable_store import ExecutableStore
 from shiftjax.serving.policy import ShiftPolicy
 from shiftjax.serving.sampling_params import SamplingParams
 from shiftjax.serving.scheduler import Request, ScheduledStep, Scheduler, SchedulerConfig
@@ -42,6 +44,8 @@ class EngineConfig:
     cache_dtype: str | None = None  # default: the weights' dtype
     max_queue: int = 1024
     max_top_logprobs: int = 20  # alternatives a step can return per token (0: none, narrower result)
+    # a directory of compiled steps (executable_store.py): a warm start skips tracing and lowering
+    executable_store: str | None = None
 
     def __post_init__(self):
         if self.max_model_len <= 0:
@@ -160,10 +164,16 @@ class Engine:
 
         report(f"compiling {len(ladder.pairs()) * len(self.modes)} executables (modes {', '.join(self.modes)}; "
                f"token buckets {ladder.token_buckets}, sequence buckets {ladder.seq_buckets})")
+        store = None
+        if config.executable_store and jax.process_count() > 1:
+            report("executable store off: a multi-process mesh would need one writer and agreed hits")
+        elif config.executable_store:
+            store = ExecutableStore(Path(config.executable_store))
         self.executables = exe.compile_all(weights, self.caches, ladder, self.modes, progress=progress,
-                                           **compile_options)
-        report(f"{len(self.executables.compiled)} executables ready in {self.executables.wall_seconds:.1f} s, "
-               f"{self.executables.cache_hits} loaded from the compilation cache")
+                                           store=store, report=report, **compile_options)
+        report(f"{len(self.executables.compiled)} executables ready in {self.executables.wall_seconds:.1f} s: "
+               f"{self.executables.loaded_from_store} loaded from the executable store, "
+               f"{self.executables.cache_hits} from the compilation cache")
         if config.mode == "auto" and len(self.modes) > 1 and config.shift_threshold is None:
             self.caches = exe.time_executables(self.executables, weights, self.caches, max_pages)
         self.policy = ShiftPolicy(config.mode, self.modes, self.executables.run_seconds,

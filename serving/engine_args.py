@@ -72,6 +72,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--compilation-cache", type=Path, default=None, metavar="DIR",
                        help=f"persistent XLA compilation cache (default: {default_compilation_cache_dir()})")
     cache.add_argument("--no-compilation-cache", action="store_true", help="compile everything at every start")
+    parser.add_argument("--executable-store", action="store_true",
+                        help="also keep the compiled steps in DIR/executables, so that a warm start neither "
+                             "traces nor lowers them (serving/executable_store.py; one process only)")
 
 
 def _id_list(text: str) -> tuple[int, ...]:
@@ -109,7 +112,9 @@ def engine_options(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_queue=args.max_queue, page_size=args.page_size, attention=args.attention,
                 token_buckets=args.token_buckets, seq_buckets=args.seq_buckets, num_pages=args.num_pages,
-                kv_memory_fraction=args.kv_memory_fraction, max_top_logprobs=args.max_top_logprobs)
+                kv_memory_fraction=args.kv_memory_fraction, max_top_logprobs=args.max_top_logprobs,
+                executable_store=str(Path(args.compilation_cache or default_compilation_cache_dir()).absolute()
+                                     / "executables") if args.executable_store else None)
 
 
 def stderr_report(message: str) -> None:

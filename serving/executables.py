@@ -6,6 +6,7 @@ so a batch that fits no bucket is an error, never a recompile.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import os
@@ -20,6 +21,7 @@ from jaxtyping import Int
 from shiftjax.batch import StepBatch, empty_batch
 from shiftjax.cache import KVCache
 from shiftjax.layouts.specs import REPLICATED
+from shiftjax.serving.executable_store import ExecutableStore, step_key
 from shiftjax.steps import make_step, params_for
 from shiftjax.weights import ModelWeights
 
@@ -96,9 +98,9 @@ def pad_batch(batch: StepBatch, num_tokens: int, num_seqs: int) -> StepBatch:
 class Executables:
     """Compiled steps keyed by ``(mode, tokens, seqs)``, with compile and run times.
 
-    ``compile_seconds`` holds each executable's own compile time (they compile
-    concurrently); ``wall_seconds`` the whole start-up compile, ``cache_hits`` how many came
-    from JAX's persistent compilation cache."""
+    ``compile_seconds`` holds each executable's own compile (or load) time;
+    ``wall_seconds`` the whole start-up compile, ``cache_hits`` how many came from JAX's
+    persistent compilation cache, ``loaded_from_store`` how many from the executable store."""
 
     ladder: BucketLadder
     compiled: dict
@@ -107,6 +109,7 @@ class Executables:
     max_top_logprobs: int = 0
     wall_seconds: float = 0.0
     cache_hits: int = 0
+    loaded_from_store: int = 0  # from the ExecutableStore: neither lowered nor compiled
 
     def get(self, mode: str, num_tokens: int, num_seqs: int):
         return self.compiled[(mode, num_tokens, num_seqs)]
@@ -118,57 +121,101 @@ def batch_sharding(weights: ModelWeights) -> NamedSharding:
 
 def compile_workers(platform: str) -> int:
     """How many executables compile at once. On the CPU, all of them (XLA compiles outside
-    the GIL). On a GPU, one: concurrent compiles there each autotune the same GEMM fusions
-    again, one at a time under the autotuner's per-device lock (16 concurrent 32-layer
-    compiles on 2x H200 had not finished one in 520 s; benchmarks/results/compare_x2/), while
-    a compile after another reuses its autotuning results (3 more mesh executables took
-    12.6 s after 6 had taken 108 s; benchmarks/x2_results.md)."""
+    the GIL). On a GPU, one. Measured on 2x H200 with the unrolled 32-layer 8B step: 16
+    compiles at once had not finished one in 520 s
+    (benchmarks/results/compare_x2/run0_concurrent_compile/), while one at a time took
+    13.5-17.7 s each (compare_x2.md), and 3 more after 6 took 12.6 s (x2_results.md). The
+    likely cause: concurrent compiles serialise under the autotuner's per-device lock and
+    autotune the same fusions again, where a compile after another reuses its results."""
     return 1 if platform == "gpu" else (os.cpu_count() or 1)
 
 
 def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, modes, *,
                 max_pages: int, attention: str = "auto", layer_loop: str = "scan",
-                max_top_logprobs: int = 0, progress=None, workers: int | None = None) -> Executables:
-    """Lowers every (mode, bucket) step against the real params and caches, then compiles
-    them, ``workers`` at a time (default :func:`compile_workers` of the devices' platform).
+                max_top_logprobs: int = 0, progress=None, workers: int | None = None,
+                store: ExecutableStore | None = None, report=None) -> Executables:
+    """Every (mode, bucket) step, compiled against the real params and caches: loaded from
+    ``store`` where it holds the step (no tracing, lowering or compiling), else lowered and
+    compiled ``workers`` at a time (default :func:`compile_workers` of the devices'
+    platform) and then saved to ``store``.
 
-    ``progress(done, total, elapsed_seconds)``, if given, is called as each one finishes.
-    Counts the executables JAX's persistent compilation cache supplied (its
-    ``/jax/compilation_cache/cache_hits`` event)."""
+    ``progress(done, total, elapsed_seconds)``, if given, is called as each one is ready;
+    ``report(message)`` hears about stored entries that could not be loaded. Counts the
+    executables JAX's persistent compilation cache supplied (its
+    ``/jax/compilation_cache/cache_hits`` event) and those the store supplied."""
     start = time.perf_counter()
+    options = dict(max_pages=max_pages, attention=attention, layer_loop=layer_loop,
+                   max_top_logprobs=max_top_logprobs)
+    steps = _steps(weights, ladder, modes)
+    compiled, seconds, store_keys = {}, {}, {}
+
+    def ready(key, executable, elapsed):
+        compiled[key], seconds[key] = executable, elapsed
+        if progress is not None:
+            progress(len(compiled), len(steps), time.perf_counter() - start)
+
+    if store is not None:
+        devices = list(weights.mesh.devices.flat)
+        for key in steps:
+            mode, t, b = key
+            store_keys[key] = step_key(weights, caches, mode=mode, num_tokens=t, num_seqs=b, **options)
+            began = time.perf_counter()
+            executable = store.load(store_keys[key], devices, report)
+            if executable is not None:
+                ready(key, executable, time.perf_counter() - began)
+    loaded = len(compiled)
     with JaxCompileEvents() as events:
-        lowered = _lower_all(weights, caches, ladder, modes, max_pages=max_pages, attention=attention,
-                             layer_loop=layer_loop, max_top_logprobs=max_top_logprobs)
+        lowered = _lower_steps(weights, caches, [k for k in steps if k not in compiled], **options)
 
         def compile_one(key):
             began = time.perf_counter()
-            compiled = lowered[key].compile()
-            return key, compiled, time.perf_counter() - began
+            hits_before = events.hits_by_thread[threading.get_ident()]
+            executable = lowered[key].compile()
+            elapsed = time.perf_counter() - began
+            # Only an executable XLA just compiled is stored: one that JAX loaded from its
+            # persistent cache, serialized again, loads but fails when run on the CPU
+            # ("Function ... not found"; tests/test_executable_store.py).
+            if store is not None and events.hits_by_thread[threading.get_ident()] == hits_before:
+                try:
+                    store.save(store_keys[key], executable)
+                except Exception as error:  # a full disk or an unserializable step: serve anyway
+                    if report is not None:
+                        report(f"executable {key} not stored ({type(error).__name__}: {error})")
+            return key, executable, elapsed
 
-        compiled, seconds = {}, {}
-        workers = min(len(lowered), workers or compile_workers(weights.mesh.devices.flat[0].platform))
-        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-            for future in concurrent.futures.as_completed([pool.submit(compile_one, k) for k in lowered]):
-                key, executable, elapsed = future.result()
-                compiled[key], seconds[key] = executable, elapsed
-                if progress is not None:
-                    progress(len(compiled), len(lowered), time.perf_counter() - start)
-    return Executables(ladder, compiled, seconds, max_top_logprobs=max_top_logprobs,
-                       wall_seconds=time.perf_counter() - start, cache_hits=events.cache_hits)
+        if lowered:
+            workers = min(len(lowered), workers or compile_workers(weights.mesh.devices.flat[0].platform))
+            with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+                for future in concurrent.futures.as_completed([pool.submit(compile_one, k) for k in lowered]):
+                    ready(*future.result())
+    # In ladder order, whatever order they became ready in: every process of a multi-process
+    # mesh must run them (time_executables) in the same order, collectives and all.
+    return Executables(ladder, {k: compiled[k] for k in steps}, {k: seconds[k] for k in steps},
+                       max_top_logprobs=max_top_logprobs, wall_seconds=time.perf_counter() - start,
+                       cache_hits=events.cache_hits, loaded_from_store=loaded)
 
 
-def _lower_all(weights, caches, ladder, modes, *, max_pages, attention, layer_loop, max_top_logprobs):
-    sharding = batch_sharding(weights)
-    lowered = {}
+def _steps(weights, ladder, modes) -> list[tuple[str, int, int]]:
+    steps = []
     for mode in modes:
-        step = make_step(weights, mode, attention=attention, layer_loop=layer_loop,
-                         max_top_logprobs=max_top_logprobs)
         for t, b in ladder.pairs():
             if mode == "sp" and t % weights.dims.sp:
                 raise ValueError(f"token bucket {t} is not a multiple of sp={weights.dims.sp}")
-            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                                    empty_batch(t, b, max_pages))
-            lowered[(mode, t, b)] = step.lower(params_for(weights, mode), caches, abstract)
+            steps.append((mode, t, b))
+    return steps
+
+
+def _lower_steps(weights, caches, steps, *, max_pages, attention, layer_loop, max_top_logprobs):
+    sharding = batch_sharding(weights)
+    made = {}
+    lowered = {}
+    for mode, t, b in steps:
+        if mode not in made:
+            made[mode] = make_step(weights, mode, attention=attention, layer_loop=layer_loop,
+                                   max_top_logprobs=max_top_logprobs)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                                empty_batch(t, b, max_pages))
+        lowered[(mode, t, b)] = made[mode].lower(params_for(weights, mode), caches, abstract)
     return lowered
 
 
@@ -179,8 +226,8 @@ def temporary_bytes(weights: ModelWeights, caches: KVCache, ladder: BucketLadder
     abstract (``ShapeDtypeStruct``) and small; the step updates them in place, so their
     size does not change the temporaries."""
     largest = BucketLadder((ladder.token_buckets[-1],), (ladder.seq_buckets[-1],))
-    lowered = _lower_all(weights, caches, largest, modes, max_pages=max_pages, attention=attention,
-                         layer_loop=layer_loop, max_top_logprobs=max_top_logprobs)
+    lowered = _lower_steps(weights, caches, _steps(weights, largest, modes), max_pages=max_pages,
+                           attention=attention, layer_loop=layer_loop, max_top_logprobs=max_top_logprobs)
     sizes = []
     for step in lowered.values():
         analysis = step.compile().memory_analysis()
@@ -202,11 +249,13 @@ class JaxCompileEvents:
         self.cache_hits = 0
         self.cache_misses = 0
         self.backend_compiles = 0
+        self.hits_by_thread = collections.Counter()  # JAX reports a hit on the compiling thread
 
     def _on_event(self, event: str, **_):
         with self._lock:
             if event == self.CACHE_HIT:
                 self.cache_hits += 1
+                self.hits_by_thread[threading.get_ident()] += 1
             elif event == self.CACHE_MISS:
                 self.cache_misses += 1
 

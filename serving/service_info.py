@@ -35,7 +35,8 @@ def service_info(engine: Engine, model_name: str, stats: ServiceStats) -> dict:
                    "timing": [{"mode": mode, "tokens": tokens, "seqs": seqs, "seconds": seconds}
                               for (mode, tokens, seqs), seconds in sorted(executables.run_seconds.items())]},
         "startup": {"executables": len(executables.compiled), "compile_seconds": executables.wall_seconds,
-                    "compile_seconds_summed": engine.compile_seconds, "cache_hits": executables.cache_hits},
+                    "compile_seconds_summed": engine.compile_seconds, "cache_hits": executables.cache_hits,
+                    "loaded_from_store": executables.loaded_from_store},
         "limits": {"max_model_len": config.max_model_len, "max_num_seqs": config.max_num_seqs,
                    "max_num_batched_tokens": config.max_num_batched_tokens, "max_queue": config.max_queue,
                    "max_top_logprobs": config.max_top_logprobs},

@@ -154,6 +154,16 @@ def test_merge_joins_reports_of_separate_invocations(tmp_path):
     table = (merged / "compare.md").read_text()
     assert sum(line.startswith("| slow ") for line in table.splitlines()) == 2
 
+    assert [len(d["starts"]) for d in report["deployments"]] == [1, 2]  # slow started twice
+    # a run in two reports (a rerun, or all:X beside load:X) would count twice
+    assert bench_main(["merge", *reports, str(tmp_path / "slow_single" / "compare.json"),
+                       "--out-dir", str(tmp_path / "x")]) == 2
+    # a deployment whose invocation was killed mid-way fails the merged report
+    killed = json.loads((tmp_path / "fast_burst" / "compare.json").read_text())
+    killed["deployments"][0]["error"] = "interrupted: still running when saved"
+    (tmp_path / "killed.json").write_text(json.dumps(killed))
+    assert bench_main(["merge", str(tmp_path / "killed.json"), "--out-dir", str(tmp_path / "y")]) == 1
+
     # reports that cannot be one: another device, or one workload name for two workloads
     other = json.loads((tmp_path / "fast_burst" / "compare.json").read_text())
     (tmp_path / "other.json").write_text(json.dumps(other | {"device": "elsewhere"}))

@@ -49,11 +49,13 @@ def test_bad_input_is_one_clear_sentence(args, message):
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
-def compile_report(stderr: str) -> tuple[int, int]:
-    """(executables, loaded from the compilation cache) from the start-up line on stderr."""
-    match = re.search(r"(\d+) executables ready in [\d.]+ s, (\d+) loaded from the compilation cache", stderr)
+def compile_report(stderr: str, *, store: bool = False) -> tuple[int, ...]:
+    """(executables, loaded from the compilation cache) from the start-up line on stderr;
+    with ``store``, (executables, from the executable store, from the compilation cache)."""
+    match = re.search(r"(\d+) executables ready in [\d.]+ s: (\d+) loaded from the executable store, "
+                      r"(\d+) from the compilation cache", stderr)
     assert match, stderr[-3000:]
-    return int(match[1]), int(match[2])
+    return (int(match[1]), int(match[2]), int(match[3])) if store else (int(match[1]), int(match[3]))
 
 
 def test_a_second_start_loads_every_executable_from_the_compilation_cache(tmp_path):
@@ -73,6 +75,17 @@ def test_a_second_start_loads_every_executable_from_the_compilation_cache(tmp_pa
         assert after["output_ids"] == before["output_ids"][:len(after["output_ids"])]
     assert completions(second)[0]["finish_reason"] == "stop"
     assert completions(second)[0]["stop_reason"] == stop
+
+
+def test_a_second_start_with_the_executable_store_lowers_nothing(tmp_path):
+    args = [*SMALL, *PROMPTS[:2], "--cpu-devices", "1", "--compilation-cache", str(tmp_path / "xla"),
+            "--num-pages", "12", "--executable-store"]
+    first = shiftjax("generate", *args)
+    assert compile_report(first.stderr, store=True) == (2, 0, 0)
+    assert len(list((tmp_path / "xla" / "executables").glob("*.executable"))) == 2
+    second = shiftjax("generate", *args)
+    assert compile_report(second.stderr, store=True) == (2, 2, 0)  # neither lowered nor compiled
+    assert [c["output_ids"] for c in completions(second)] == [c["output_ids"] for c in completions(first)]
 
 
 def test_dummy_weights_without_the_compilation_cache():

@@ -207,12 +207,14 @@ def compare_main(argv: list[str]) -> int:
     device = args.device or meta.get("device")
     report = {"device": device, "workloads": [dataclasses.asdict(s) for s in specs], "deployments": []}
     def save(entry=None):
-        """compare.json with what has run so far: a crash or a time limit keeps it."""
+        """compare.json with what has run so far: a crash or a time limit keeps it. A
+        deployment still running is saved with an error saying so (a report of a killed
+        invocation must not read as complete)."""
         for run in (entry or report["deployments"][-1])["runs"]:
             if "result" in run:
                 run["result"]["device"] = device
-        write_json(report | {"deployments": report["deployments"] + ([entry] if entry else [])},
-                   out_dir / "compare.json")
+        running = [] if entry is None else [entry | {"error": entry["error"] or "interrupted: still running when saved"}]
+        write_json(report | {"deployments": report["deployments"] + running}, out_dir / "compare.json")
 
     for deployment in deployments:
         process = ServerProcess(deployment, out_dir / "logs" / f"{deployment.name}.log")
@@ -242,7 +244,8 @@ def merge_reports(reports: list[dict]) -> dict:
     """One report from several ``bench compare`` reports of the same device (e.g. one
     deployment per invocation, so that each has its own time limit): the workloads of all
     (a name used twice must describe the same workload), and each deployment's runs
-    (a deployment in several reports has its runs appended, in order)."""
+    (a deployment in several reports has its runs appended, in order, and each start kept
+    in ``starts``; the same run in two reports is an error)."""
     if not reports:
         raise ValueError("nothing to merge")
     devices = {r.get("device") for r in reports}
@@ -254,13 +257,23 @@ def merge_reports(reports: list[dict]) -> dict:
             if workloads.setdefault(spec["name"], spec) != spec:
                 raise ValueError(f"workload {spec['name']!r} differs between the reports")
         for deployment in report["deployments"]:
-            if deployment["name"] in deployments:
+            if deployment["name"] in deployments:  # e.g. its load workloads in one step, the trace in another
                 merged = deployments[deployment["name"]]
+                done = {(r["workload"], str(r["request_rate"])) for r in merged["runs"]}
+                again = [r["workload"] for r in deployment["runs"] if (r["workload"], str(r["request_rate"])) in done]
+                if again:
+                    raise ValueError(f"deployment {deployment['name']!r} ran {again} in two reports")
                 merged["runs"] = merged["runs"] + deployment["runs"]
                 merged["error"] = merged.get("error") or deployment.get("error")
+                merged["starts"] = merged["starts"] + [_start_of(deployment)]
             else:
-                deployments[deployment["name"]] = dict(deployment)
+                deployments[deployment["name"]] = dict(deployment) | {"starts": [_start_of(deployment)]}
     return {"device": devices.pop(), "workloads": list(workloads.values()), "deployments": list(deployments.values())}
+
+
+def _start_of(deployment: dict) -> dict:
+    """One server start of a deployment, as its report recorded it."""
+    return {k: deployment.get(k) for k in ("startup_seconds", "exit_code", "log", "error")}
 
 
 def merge_main(argv: list[str]) -> int:

@@ -1,0 +1,151 @@
+"""Compiled steps kept on disk, so that a warm start neither traces nor lowers them.
+
+JAX's persistent compilation cache is keyed by the lowered program, so even a start whose
+every executable is cached still traces and lowers each step first: about 7 s per
+executable for the unrolled 32-layer Llama-3.1-8B step on the H200 host, where loading
+the cached binary takes under 1 s (benchmarks/compare_x2.md). This store is keyed instead
+by everything the lowering is a function of, so a hit skips tracing, lowering and
+compiling:
+
+- the source of the package (every ``.py`` file of shiftjax and its subpackages: the
+  model, the step, the kernels, the layouts);
+- the versions of jax and jaxlib, the backend's platform version, JAX's configuration
+  values and ``XLA_FLAGS``;
+- the devices (kind, id, order) and the mesh's axes;
+- the step's own parameters (mode, buckets, page-table width, attention, layer loop,
+  top-logprob width) and the model (config, head layout, local dims, weight storage);
+- the abstract inputs: every parameter and cache array's shape, dtype and sharding.
+
+A change to any of them is a miss, and the step is lowered and compiled as usual (through
+the persistent compilation cache). An entry that cannot be read or loaded, or whose
+header names another key or whose payload digest differs, is a miss too, reported, and
+replaced. Entries are written atomically (a temporary file of this process, then rename).
+
+Only executables XLA has just compiled are stored (compile_all): one that JAX loaded
+from its own persistent cache, serialized again, loads but fails when run on the CPU
+(jaxlib 0.10.2). The store is off unless asked for (``--executable-store``), for one
+process only (a multi-process mesh would need one writer and agreed hits), and a stored
+file is code that runs: keep the directory private.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib
+import importlib.metadata
+import json
+import os
+import pickle
+import uuid
+from pathlib import Path
+
+import jax
+import jaxlib
+from jax.experimental import serialize_executable
+
+from shiftjax.cache import KVCache
+from shiftjax.steps import params_for
+from shiftjax.weights import ModelWeights
+
+FORMAT_VERSION = 1
+PACKAGES = ("shiftjax", "shiftjax.kernels", "shiftjax.layouts", "shiftjax.serving", "shiftjax.checkpoints")
+
+
+@functools.cache
+def source_fingerprint() -> str:
+    """SHA-256 over the path and bytes of every ``.py`` file of the package, once per process."""
+    digest = hashlib.sha256()
+    for name in PACKAGES:
+        root = Path(importlib.import_module(name).__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(f"{name}:{path.relative_to(root)}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _abstract(tree) -> list:
+    """Shape, dtype and sharding of every array of ``tree``, with the tree's structure."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return [str(treedef), [(tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None))) for x in leaves]]
+
+
+@functools.cache
+def _plugin_versions() -> list[tuple[str, str]]:
+    """The installed JAX backend plugins (the CUDA compiler ships in them, not in jaxlib)."""
+    return sorted((d.metadata["Name"], d.version) for d in importlib.metadata.distributions()
+                  if (d.metadata["Name"] or "").startswith(("jax-cuda", "jax_cuda", "jax-rocm", "libtpu")))
+
+
+def environment_fingerprint(devices: list) -> dict:
+    """What the compiled program depends on beyond the step itself."""
+    backend = devices[0].client
+    return {
+        "format": FORMAT_VERSION,
+        "source": source_fingerprint(),
+        "jax": jax.__version__, "jaxlib": jaxlib.__version__, "plugins": _plugin_versions(),
+        "platform": backend.platform, "platform_version": backend.platform_version,
+        "devices": [(d.platform, d.device_kind, d.id, d.process_index, getattr(d, "compute_capability", None))
+                    for d in devices],
+        "jax_config": sorted((k, repr(v)) for k, v in jax.config.values.items()),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+
+
+def step_key(weights: ModelWeights, caches: KVCache, *, mode: str, num_tokens: int, num_seqs: int,
+             **step_options) -> str:
+    """The store key of one compiled step: a SHA-256 over its environment, model, inputs
+    and options (see the module docstring); ``step_options`` must be every other argument
+    the step is made and lowered with."""
+    mesh = weights.mesh
+    description = {
+        "environment": environment_fingerprint(list(mesh.devices.flat)),
+        "mesh": [list(mesh.axis_names), list(mesh.devices.shape)],
+        "model": [repr(weights.config), repr(weights.layout), repr(weights.dims), weights.storage],
+        "inputs": [_abstract(params_for(weights, mode)), _abstract(caches)],
+        "step": {"mode": mode, "num_tokens": num_tokens, "num_seqs": num_seqs, **step_options},
+    }
+    return hashlib.sha256(json.dumps(description, sort_keys=True, default=repr).encode()).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutableStore:
+    """Serialized compiled steps in ``directory``, one file per key: a header line (format,
+    key, SHA-256 of the payload) and the pickled ``serialize_executable`` triple."""
+
+    directory: Path
+
+    def _path(self, key: str) -> Path:
+        return self.directory / f"{key}.executable"
+
+    def load(self, key: str, devices: list, report=None):
+        """The compiled step stored under ``key``, loaded onto ``devices`` (the mesh's, in
+        order), or None: not stored, or stored but unusable (``report`` says why)."""
+        path = self._path(key)
+        if not path.is_file():
+            return None
+        try:
+            header, payload = path.read_bytes().split(b"\n", 1)
+            fields = json.loads(header)
+            if fields != {"format": FORMAT_VERSION, "key": key, "sha256": hashlib.sha256(payload).hexdigest()}:
+                raise ValueError(f"header {fields} does not match this key and payload")
+            serialized, in_tree, out_tree = pickle.loads(payload)
+            return serialize_executable.deserialize_and_load(serialized, in_tree, out_tree,
+                                                             execution_devices=list(devices))
+        except Exception as error:  # truncated, foreign or stale: compile instead
+            if report is not None:
+                report(f"stored executable {path.name} not loaded ({type(error).__name__}: {error}); compiling it")
+            return None
+
+    def save(self, key: str, compiled) -> None:
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        payload = pickle.dumps(serialize_executable.serialize(compiled))
+        header = json.dumps({"format": FORMAT_VERSION, "key": key, "sha256": hashlib.sha256(payload).hexdigest()})
+        # a name of this process and call: two writers of one key never share a file
+        partial = self.directory / f".{key}.partial-{os.getpid()}-{uuid.uuid4().hex}"
+        try:
+            partial.write_bytes(header.encode() + b"\n" + payload)
+            partial.replace(self._path(key))
+        finally:
+            partial.unlink(missing_ok=True)

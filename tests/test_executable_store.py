@@ -1,0 +1,176 @@
+"""The executable store: a warm start loads compiled steps without tracing or lowering
+them, runs them to the same tokens, and misses on any change to what the lowering
+depends on; a damaged entry is compiled again, never trusted."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from shiftjax.config import ModelConfig
+from shiftjax.layouts.mesh import make_mesh
+from shiftjax.params import random_params
+from shiftjax.serving import executable_store
+from shiftjax.serving import executables as exe
+from shiftjax.serving.engine import Engine, EngineConfig
+from shiftjax.serving.sampling_params import SamplingParams
+from shiftjax.weights import shard_params
+
+CONFIG = ModelConfig(architecture="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
+                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128,
+                     eos_token_ids=(2,))
+PROMPTS = [[5, 17, 33, 8, 90, 41, 7, 12, 3, 66, 71], [9, 4], [30, 31, 32, 33, 34, 35]]
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+OPTIONS = dict(max_model_len=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+               token_buckets=(4, 16), seq_buckets=(4,), attention="reference", mode="alternate")
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return shard_params(random_params(CONFIG, seed=5, scale=0.3), CONFIG, make_mesh(2, 1))
+
+
+@pytest.fixture
+def lowered_steps(monkeypatch):
+    """Every step the engine traced and lowered (a store hit lowers nothing)."""
+    seen = []
+    lower = exe._lower_steps
+
+    def counting(weights, caches, steps, **options):
+        seen.extend(steps)
+        return lower(weights, caches, steps, **options)
+
+    monkeypatch.setattr(exe, "_lower_steps", counting)
+    return seen
+
+
+def tokens(engine):
+    requests = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    engine.run_until_done(requests)
+    return [r.output_ids for r in requests], [m for r in requests for m in r.modes]
+
+
+def test_a_warm_start_loads_every_step_and_runs_it_the_same(weights, tmp_path, lowered_steps):
+    store = str(tmp_path / "store")
+    cold = Engine(weights, EngineConfig(**OPTIONS, executable_store=store))
+    assert cold.executables.loaded_from_store == 0 and len(lowered_steps) == 4  # 2 modes x 2 buckets
+    assert len(list((tmp_path / "store").glob("*.executable"))) == 4
+    lowered_steps.clear()
+
+    warm = Engine(weights, EngineConfig(**OPTIONS, executable_store=store))
+    assert lowered_steps == [] and warm.executables.loaded_from_store == 4
+    assert set(warm.executables.compiled) == set(cold.executables.compiled)
+    cold_tokens, cold_modes = tokens(cold)
+    warm_tokens, warm_modes = tokens(warm)
+    assert warm_tokens == cold_tokens and all(len(t) == GREEDY.max_tokens for t in warm_tokens)
+    assert {"tp", "sp"} <= set(warm_modes) and warm_modes == cold_modes  # both modes' loaded steps ran
+
+    # the loaded steps still donate the caches: the engine's old cache buffers are gone
+    old = warm.caches.k
+    tokens(warm)
+    assert old.is_deleted()
+
+
+def test_any_change_to_what_the_lowering_depends_on_is_a_miss(weights, tmp_path, lowered_steps, monkeypatch):
+    store = str(tmp_path / "store")
+    Engine(weights, EngineConfig(**OPTIONS, executable_store=store))
+    lowered_steps.clear()
+    # a step option: the result width
+    narrower = Engine(weights, EngineConfig(**OPTIONS | {"max_top_logprobs": 0}, executable_store=store))
+    assert narrower.executables.loaded_from_store == 0 and len(lowered_steps) == 4
+    lowered_steps.clear()
+    # the package's source
+    monkeypatch.setattr(executable_store, "source_fingerprint", lambda: "an edited kernel")
+    edited = Engine(weights, EngineConfig(**OPTIONS, executable_store=store))
+    assert edited.executables.loaded_from_store == 0 and len(lowered_steps) == 4
+    monkeypatch.undo()
+
+    import jax
+
+    key = dict(mode="tp", num_tokens=4, num_seqs=4, max_pages=16, attention="reference", layer_loop="scan",
+               max_top_logprobs=20)
+    caches = narrower.caches
+    base = executable_store.step_key(weights, caches, **key)
+    assert executable_store.step_key(weights, caches, **key) == base  # stable
+    with jax.default_matmul_precision("bfloat16"):  # JAX configuration, even a thread-local one (conftest: highest)
+        assert executable_store.step_key(weights, caches, **key) != base
+    other_mesh = shard_params(random_params(CONFIG, seed=5, scale=0.3), CONFIG, make_mesh(1, 2))
+    assert executable_store.step_key(other_mesh, caches, **key) != base
+    assert executable_store.step_key(weights, caches, **key | {"num_seqs": 1}) != base
+
+
+def test_a_damaged_entry_is_compiled_again(weights, tmp_path, lowered_steps):
+    store = tmp_path / "store"
+    Engine(weights, EngineConfig(**OPTIONS, executable_store=str(store)))
+    victim = sorted(store.glob("*.executable"))[0]
+    victim.write_bytes(victim.read_bytes()[:100])  # truncated
+    lowered_steps.clear()
+    messages = []
+    engine = Engine(weights, EngineConfig(**OPTIONS, executable_store=str(store)), report=messages.append)
+    assert engine.executables.loaded_from_store == 3 and len(lowered_steps) == 1
+    assert any(victim.name in m and "not loaded" in m for m in messages), messages
+    assert all(len(t) == GREEDY.max_tokens for t in tokens(engine)[0])
+    lowered_steps.clear()
+    assert Engine(weights, EngineConfig(**OPTIONS, executable_store=str(store))).executables.loaded_from_store == 4
+    # a whole, valid entry of another step under this step's name: its header names the other key
+    first, second = sorted(store.glob("*.executable"))[:2]
+    second.write_bytes(first.read_bytes())
+    messages.clear()
+    engine = Engine(weights, EngineConfig(**OPTIONS, executable_store=str(store)), report=messages.append)
+    assert engine.executables.loaded_from_store == 3
+    assert any(second.name in m and "does not match" in m for m in messages), messages
+
+
+CHILD = """
+import json, sys, jax
+jax.config.update("jax_num_cpu_devices", 2)
+store, xla_cache = sys.argv[1], sys.argv[2]
+if xla_cache:
+    jax.config.update("jax_compilation_cache_dir", xla_cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+from shiftjax.config import ModelConfig
+from shiftjax.layouts.mesh import make_mesh
+from shiftjax.params import random_params
+from shiftjax.serving.engine import Engine, EngineConfig
+from shiftjax.serving.sampling_params import SamplingParams
+from shiftjax.weights import shard_params
+config = ModelConfig(**%(config)r)
+weights = shard_params(random_params(config, seed=5, scale=0.3), config, make_mesh(2, 1))
+engine = Engine(weights, EngineConfig(**%(options)r, executable_store=store))
+requests = [engine.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in %(prompts)r]
+engine.run_until_done(requests)
+print(json.dumps([engine.executables.loaded_from_store, engine.executables.cache_hits,
+                  [r.output_ids for r in requests]]))
+""" % {"config": CONFIG.__dict__, "options": OPTIONS, "prompts": PROMPTS}
+
+
+def child(store, xla_cache=""):
+    """A fresh process's engine on the store: (loaded from it, XLA cache hits, tokens)."""
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(store), str(xla_cache)], capture_output=True,
+                          text=True, timeout=300, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_loads_what_the_first_stored(tmp_path):
+    """The key must not depend on anything of one process (addresses, ids, hash seeds)."""
+    loaded, _, cold_tokens = child(tmp_path / "store")
+    assert loaded == 0
+    loaded, _, warm_tokens = child(tmp_path / "store")
+    assert loaded == 4 and warm_tokens == cold_tokens
+
+
+def test_an_executable_from_the_compilation_cache_is_not_stored(tmp_path):
+    """One that JAX loaded from its persistent cache and that was serialized again loads but
+    fails when run ("Function ... not found"): only fresh compiles are stored."""
+    store, xla = tmp_path / "store", tmp_path / "xla"
+    loaded, hits, cold_tokens = child(store, xla)
+    assert (loaded, hits) == (0, 0) and len(list(store.glob("*.executable"))) == 4
+    for entry in store.glob("*.executable"):
+        entry.unlink()
+    loaded, hits, tokens = child(store, xla)  # every step from the XLA cache: none stored
+    assert (loaded, hits) == (0, 4) and tokens == cold_tokens and not list(store.glob("*.executable"))
+    loaded, hits, tokens = child(store, xla)  # so nothing stale to load: it runs
+    assert (loaded, hits) == (0, 4) and tokens == cold_tokens
