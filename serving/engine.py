@@ -160,9 +160,9 @@ class Engine:
         self.caches = self._allocate_caches()
 
         def progress(done, total, elapsed):
-            report(f"compiled {done} of {total} executables, {elapsed:.1f} s")
+            report(f"{done} of {total} executables ready, {elapsed:.1f} s")
 
-        report(f"compiling {len(ladder.pairs()) * len(self.modes)} executables (modes {', '.join(self.modes)}; "
+        report(f"making {len(ladder.pairs()) * len(self.modes)} executables (modes {', '.join(self.modes)}; "
                f"token buckets {ladder.token_buckets}, sequence buckets {ladder.seq_buckets})")
         store = None
         if config.executable_store and jax.process_count() > 1:
@@ -189,8 +189,8 @@ class Engine:
 
     @property
     def compile_seconds(self) -> float:
-        """Compile time summed over executables (they compile concurrently, so the wall
-        time is less)."""
+        """Compile (or store load) time summed over executables; the wall time of start-up
+        compiling is ``executables.wall_seconds`` (lowering included)."""
         return sum(self.executables.compile_seconds.values())
 
     @property

@@ -63,7 +63,7 @@ def test_a_second_start_loads_every_executable_from_the_compilation_cache(tmp_pa
             "--num-pages", "12"]
     first = shiftjax("generate", *args)
     assert compile_report(first.stderr) == (2, 0)  # two token buckets, one mode, cold cache
-    assert "compiled 2 of 2 executables" in first.stderr
+    assert "2 of 2 executables ready" in first.stderr
     assert "KV cache: 12 pages (--num-pages)" in first.stderr
     texts = [c["text"] for c in completions(first)]
     stop = texts[0][3:6]
