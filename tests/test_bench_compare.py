@@ -107,6 +107,10 @@ def test_configuration_errors_name_what_is_wrong(tmp_path):
         read_deployments(path)
     assert Deployment.from_dict({"name": "a", "command": "shiftjax serve --port {port}"}).command == [
         "shiftjax", "serve", "--port", "{port}"]
+    # a misspelt --only would run nothing and exit 0
+    path.write_text(json.dumps([{"name": "tp", "command": "x"}]))
+    assert bench_main(["compare", "--deployments", str(path), "--workloads", '[{"name": "w"}]',
+                       "--out-dir", str(tmp_path / "o"), "--only", "tpp"]) == 2
 
 
 def test_a_failing_run_is_recorded_and_the_next_one_still_runs(tmp_path):

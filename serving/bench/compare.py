@@ -192,6 +192,10 @@ def compare_main(argv: list[str]) -> int:
     try:
         deployments, meta = read_deployments(args.deployments)
         if args.only:
+            unknown = sorted(set(args.only) - {d.name for d in deployments})
+            if unknown:
+                raise ValueError(f"--only {unknown}: no such deployment in {args.deployments} "
+                                 f"(it has {[d.name for d in deployments]})")
             deployments = [d for d in deployments if d.name in args.only]
         specs = read_workloads(args.workloads)
         base = serve_bench.config_from_args(args, server="")
