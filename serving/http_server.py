@@ -312,8 +312,11 @@ class _CompletionReply:
         return []
 
     def chunk(self, index: int, delta: Delta, include_usage: bool) -> dict | None:
-        if not (delta.text or delta.finish_reason or (self.logprobs and delta.logprobs)):
-            return None  # bytes of a character held back, and no logprobs asked for
+        # A chunk per step that produced tokens, even when their text is held back (the bytes
+        # of an incomplete character): vLLM streams the same way, and a client timing tokens
+        # by chunks (ITL) would otherwise see two tokens as one.
+        if not (delta.text or delta.token_ids or delta.finish_reason):
+            return None
         lp = None
         if self.logprobs:
             lp = schema.completion_logprobs(delta.logprobs, self.token_text, self.text_offset[index])
@@ -347,8 +350,8 @@ class _ChatReply:
         return [self.chunk_head | {"choices": [choice]} | ({"usage": None} if include_usage else {})]
 
     def chunk(self, index: int, delta: Delta, include_usage: bool) -> dict | None:
-        if not (delta.text or delta.finish_reason or (self.logprobs and delta.logprobs)):
-            return None
+        if not (delta.text or delta.token_ids or delta.finish_reason):
+            return None  # as in _CompletionReply.chunk
         lp = schema.chat_logprobs(delta.logprobs, self.token_text) if self.logprobs else None
         content = {"content": delta.text} if delta.text or not delta.finish_reason else {}
         choice = {"index": 0, "delta": content, "logprobs": lp, "finish_reason": delta.finish_reason,

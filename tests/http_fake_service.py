@@ -54,6 +54,9 @@ class FakeService:
         self.echo = False  # reply with the prompt's text before REPLY, so replies differ by prompt
         self.fail_after: int | None = None  # tokens before an internal error, when set
         self.raise_after: int | None = None  # tokens before the stream raises RequestFailed
+        # positions whose character is held back to the next delta (as the detokenizer holds
+        # the bytes of an incomplete character): a delta with a token and no text
+        self.hold_back: set[int] = set()
         self.submitted: list[GenerationRequest] = []
         self.cancelled: list[str] = []
         self.closed: list[str] = []
@@ -89,7 +92,7 @@ class FakeService:
 
     async def _stream(self, request_id: str, request: GenerationRequest, start: float):
         params = request.params
-        produced = ""
+        produced = held = ""
         try:
             reply = (self.tokenizer.decode(request.prompt_ids) if self.echo else "") + REPLY + "\x03"
             for position, char in enumerate(reply):
@@ -120,6 +123,10 @@ class FakeService:
                             break
                 if finish is None and position + 1 == params.max_tokens:
                     finish = FINISH_LENGTH
+                if position in self.hold_back and finish is None:
+                    held, text = held + text, ""
+                else:
+                    held, text = "", held + text
                 produced += text
                 usage = self._usage(request, position + 1, start) if finish else None
                 yield Delta(request_id, token_ids=(token,), text=text, logprobs=logprobs, finish_reason=finish,

@@ -112,6 +112,20 @@ def test_completion_stream_matches_the_plain_reply(client):
     assert all(c["choices"][0]["logprobs"]["top_logprobs"] == [{}] for c in chunks)  # logprobs=0: no alternatives
 
 
+def test_a_token_whose_text_is_held_back_still_streams_a_chunk(client, service):
+    """One chunk per token, as vLLM streams (the bench's ITL counts chunks): a token whose
+    text the detokenizer holds back (an incomplete character) streams empty text, and the
+    text arrives with the next token."""
+    service.hold_back = {3}
+    for path, body, text_of in [
+            ("/v1/completions", {"prompt": "hi"}, lambda c: c["choices"][0]["text"]),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+             lambda c: c["choices"][0]["delta"].get("content", ""))]:
+        chunks = events(client.post(path, json=body | {"max_tokens": 6, "stream": True}))[:-1]
+        texts = [text_of(c) for c in chunks if c["choices"][0].get("delta", {}).get("role") is None]
+        assert texts == ["H", "e", "l", "", "lo", ","], (path, texts)
+
+
 def test_stream_usage_when_asked(client):
     r = client.post("/v1/completions", json={"prompt": ["ab", "c"], "max_tokens": 2, "stream": True,
                                              "stream_options": {"include_usage": True}})
