@@ -3,6 +3,7 @@ greedy output, cancellation, deadlines and stop strings free pages at once, fail
 with their request, draining, and no compile after start-up."""
 
 import asyncio
+import gc
 import json
 import threading
 import time
@@ -165,6 +166,29 @@ def test_cancel_close_and_deadline_free_pages_at_once(service):
     assert freed_on_abort and freed_on_close
     assert deltas[-1].finish_reason == "abort" and deltas[-1].usage.output_tokens < 50
     assert not service.cancel("c")  # no longer live
+
+
+def test_a_stream_dropped_without_being_iterated_cancels_its_request(service):
+    """An async generator that never started runs no ``finally`` when collected; the
+    stream object cancels its request itself, so the pages come back."""
+    tokens_before = service.engine.stats["tokens"]
+
+    async def main():
+        stream = service.submit(GenerationRequest((1, 2, 3), SamplingParams(max_tokens=50, ignore_eos=True),
+                                                  request_id="dropped"))
+        del stream
+        gc.collect()
+        for _ in range(500):
+            stats = service.stats()
+            if stats.free_pages == stats.num_pages and stats.running == 0 and stats.waiting == 0:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    assert asyncio.run(main())
+    assert not service.cancel("dropped")  # no longer live
+    # aborted: not the 3 prompt + 49 decode tokens that running to its end takes
+    assert service.engine.stats["tokens"] - tokens_before < 3 + 49
 
 
 @pytest.mark.parametrize("make,field", [
