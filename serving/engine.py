@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jax
 
+from shiftjax.batch import empty_batch
 from shiftjax.cache import CacheConfig, allocate_cache
 from shiftjax.serving import executables as exe
 from shiftjax.serving import page_pool
@@ -171,6 +172,8 @@ class Engine:
             store = ExecutableStore(Path(config.executable_store))
         self.executables = exe.compile_all(weights, self.caches, ladder, self.modes, progress=progress,
                                            store=store, report=report, **compile_options)
+        if self.executables.stored_keys:
+            self._check_stored(ladder, store, report, compile_options)
         report(f"{len(self.executables.compiled)} executables ready in {self.executables.wall_seconds:.1f} s: "
                f"{self.executables.loaded_from_store} loaded from the executable store, "
                f"{self.executables.cache_hits} from the compilation cache")
@@ -181,6 +184,32 @@ class Engine:
         self.stats = {"steps": 0, "switches": 0, "tokens": 0, "last_mode": None,
                       "steps_by_mode": dict.fromkeys(self.modes, 0),
                       "tokens_by_mode": dict.fromkeys(self.modes, 0)}
+
+    def _check_stored(self, ladder, store, report, compile_options) -> None:
+        """Runs every executable the store supplied once, on an all-padding batch (it writes
+        only the scratch page). A deserialized executable can load and still fail when run
+        (executable_store.py); one that fails is compiled again (and stored again), and the
+        caches, which its failed donated call may have consumed, are allocated afresh."""
+        failed = []
+        for key in sorted(self.executables.stored_keys):
+            mode, t, b = key
+            batch = exe.to_device(empty_batch(t, b, compile_options["max_pages"]), self.weights)
+            try:
+                out, self.caches = self.executables.compiled[key](params_for(self.weights, mode), self.caches, batch)
+                jax.block_until_ready(out.packed)
+            except Exception as error:
+                report(f"stored executable {key} failed when run ({type(error).__name__}: {error}); compiling it")
+                failed.append(key)
+                self.caches = self._allocate_caches()
+        if failed:
+            again = exe.compile_all(self.weights, self.caches, ladder, self.modes, store=store, report=report,
+                                    only=failed, **compile_options)
+            executables = self.executables
+            executables.compiled.update(again.compiled)
+            executables.compile_seconds.update(again.compile_seconds)
+            executables.stored_keys = executables.stored_keys - set(failed)
+            executables.loaded_from_store = len(executables.stored_keys)
+            executables.cache_hits += again.cache_hits
 
     def _allocate_caches(self):
         model = self.weights.config

@@ -110,6 +110,7 @@ class Executables:
     wall_seconds: float = 0.0
     cache_hits: int = 0
     loaded_from_store: int = 0  # from the ExecutableStore: neither lowered nor compiled
+    stored_keys: frozenset = frozenset()  # which ones
 
     def get(self, mode: str, num_tokens: int, num_seqs: int):
         return self.compiled[(mode, num_tokens, num_seqs)]
@@ -133,20 +134,23 @@ def compile_workers(platform: str) -> int:
 def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, modes, *,
                 max_pages: int, attention: str = "auto", layer_loop: str = "scan",
                 max_top_logprobs: int = 0, progress=None, workers: int | None = None,
-                store: ExecutableStore | None = None, report=None) -> Executables:
+                store: ExecutableStore | None = None, report=None, only=None) -> Executables:
     """Every (mode, bucket) step, compiled against the real params and caches: loaded from
     ``store`` where it holds the step (no tracing, lowering or compiling), else lowered and
     compiled ``workers`` at a time (default :func:`compile_workers` of the devices'
     platform) and then saved to ``store``.
 
     ``progress(done, total, elapsed_seconds)``, if given, is called as each one is ready;
-    ``report(message)`` hears about stored entries that could not be loaded. Counts the
+    ``report(message)`` hears about stored entries that could not be loaded. ``only``: just
+    these ``(mode, tokens, seqs)`` steps of the ladder. Counts the
     executables JAX's persistent compilation cache supplied (its
     ``/jax/compilation_cache/cache_hits`` event) and those the store supplied."""
     start = time.perf_counter()
     options = dict(max_pages=max_pages, attention=attention, layer_loop=layer_loop,
                    max_top_logprobs=max_top_logprobs)
     steps = _steps(weights, ladder, modes)
+    if only is not None:
+        steps = [k for k in steps if k in set(only)]
     compiled, seconds, store_keys = {}, {}, {}
 
     def ready(key, executable, elapsed):
@@ -163,7 +167,7 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
             executable = store.load(store_keys[key], devices, report)
             if executable is not None:
                 ready(key, executable, time.perf_counter() - began)
-    loaded = len(compiled)
+    stored = frozenset(compiled)
     with JaxCompileEvents() as events:
         lowered = _lower_steps(weights, caches, [k for k in steps if k not in compiled], **options)
 
@@ -192,7 +196,7 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
     # mesh must run them (time_executables) in the same order, collectives and all.
     return Executables(ladder, {k: compiled[k] for k in steps}, {k: seconds[k] for k in steps},
                        max_top_logprobs=max_top_logprobs, wall_seconds=time.perf_counter() - start,
-                       cache_hits=events.cache_hits, loaded_from_store=loaded)
+                       cache_hits=events.cache_hits, loaded_from_store=len(stored), stored_keys=stored)
 
 
 def _steps(weights, ladder, modes) -> list[tuple[str, int, int]]:

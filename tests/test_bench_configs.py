@@ -59,6 +59,7 @@ def test_gpu_compare_files_need_nothing_the_gpu_machines_lack(prefix):
         command = " ".join(d.command)
         assert command.startswith("{python} -P -m shiftjax.serving.cli serve "), command
         assert "--http-port" not in command and "--tokenizer benchmarks/configs/smollm2-tokenizer" in command
+        assert "--executable-store" in command  # later deployments start warm from earlier ones' steps
         assert d.env.get("NCCL_NVLS_ENABLE") == "0"
 
 

@@ -174,3 +174,33 @@ def test_an_executable_from_the_compilation_cache_is_not_stored(tmp_path):
     assert (loaded, hits) == (0, 4) and tokens == cold_tokens and not list(store.glob("*.executable"))
     loaded, hits, tokens = child(store, xla)  # so nothing stale to load: it runs
     assert (loaded, hits) == (0, 4) and tokens == cold_tokens
+
+
+def test_a_stored_executable_that_fails_when_run_is_compiled_again(weights, tmp_path, lowered_steps, monkeypatch):
+    """Loading is not enough (an executable re-serialized from JAX's cache loaded and then
+    failed on its first call): the engine runs every stored step once at start."""
+    store = str(tmp_path / "store")
+    cold = Engine(weights, EngineConfig(**OPTIONS, executable_store=store))
+    lowered_steps.clear()
+
+    class Broken:
+        def __call__(self, *args):
+            raise RuntimeError("NOT_FOUND: Function wrapped_iota not found")
+
+    load = executable_store.ExecutableStore.load
+    victims = []
+
+    def load_one_broken(self, key, devices, report=None):
+        if not victims:
+            victims.append(key)
+            return Broken()
+        return load(self, key, devices, report)
+
+    monkeypatch.setattr(executable_store.ExecutableStore, "load", load_one_broken)
+    messages = []
+    engine = Engine(weights, EngineConfig(**OPTIONS, executable_store=store), report=messages.append)
+    assert any("failed when run" in m and "wrapped_iota" in m for m in messages), messages
+    assert engine.executables.loaded_from_store == 3 and len(lowered_steps) == 1
+    assert not any(isinstance(e, Broken) for e in engine.executables.compiled.values())
+    assert list(engine.executables.compiled) == list(cold.executables.compiled)  # ladder order kept
+    assert tokens(engine)[0] == tokens(cold)[0]
