@@ -23,7 +23,8 @@ replaced. Entries are written atomically (a temporary file of this process, then
 
 Only executables XLA has just compiled are stored (compile_all): one that JAX loaded
 from its own persistent cache, serialized again, loads but fails when run on the CPU
-(jaxlib 0.10.2). The store is off unless asked for (``--executable-store``), for one
+(jaxlib 0.10.2); and the engine runs every stored step once at start, compiling again one
+that fails. The store is off unless asked for (``--executable-store``), for one
 process only (a multi-process mesh would need one writer and agreed hits), and a stored
 file is code that runs: keep the directory private. The KV cache's page count is part of
 the inputs, so give ``--num-pages`` for a key that holds across starts (a pool sized from
