@@ -43,6 +43,7 @@ import json
 import os
 import pickle
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -123,7 +124,7 @@ class ExecutableStore:
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}.executable"
 
-    def load(self, key: str, devices: list, report=None):
+    def load(self, key: str, devices: list, report: Callable[[str], None] | None = None):
         """The compiled step stored under ``key``, loaded onto ``devices`` (the mesh's, in
         order), or None: not stored, or stored but unusable (``report`` says why)."""
         path = self._path(key)
@@ -142,7 +143,7 @@ class ExecutableStore:
                 report(f"stored executable {path.name} not loaded ({type(error).__name__}: {error}); compiling it")
             return None
 
-    def save(self, key: str, compiled) -> None:
+    def save(self, key: str, compiled: jax.stages.Compiled) -> None:
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         payload = pickle.dumps(serialize_executable.serialize(compiled))
         header = json.dumps({"format": FORMAT_VERSION, "key": key, "sha256": hashlib.sha256(payload).hexdigest()})

@@ -12,6 +12,7 @@ import dataclasses
 import os
 import threading
 import time
+from collections.abc import Callable, Collection
 
 import jax
 import numpy as np
@@ -133,8 +134,9 @@ def compile_workers(platform: str) -> int:
 
 def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, modes, *,
                 max_pages: int, attention: str = "auto", layer_loop: str = "scan",
-                max_top_logprobs: int = 0, progress=None, workers: int | None = None,
-                store: ExecutableStore | None = None, report=None, only=None) -> Executables:
+                max_top_logprobs: int = 0, progress: Callable[[int, int, float], None] | None = None,
+                workers: int | None = None, store: ExecutableStore | None = None,
+                report: Callable[[str], None] | None = None, only: Collection[tuple] | None = None) -> Executables:
     """Every (mode, bucket) step, compiled against the real params and caches: loaded from
     ``store`` where it holds the step (no tracing, lowering or compiling), else lowered and
     compiled ``workers`` at a time (default :func:`compile_workers` of the devices'
