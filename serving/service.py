@@ -23,6 +23,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 
 from shiftjax.serving.detokenizer import IncrementalDetokenizer
@@ -114,7 +115,11 @@ class AsyncEngineService:
             self._live[request_id] = live
             self._inbox.append(live)
             self._wake.notify()
-        return _DeltaStream(self, live)
+        stream = self._deltas(live)
+        # Dropped unfinished, even never iterated, the request is cancelled: an async generator
+        # that never started runs no ``finally`` when collected (a no-op once it has ended).
+        weakref.finalize(stream, self.cancel, request_id)
+        return stream
 
     async def _deltas(self, live: LiveRequest):
         ended = False
@@ -406,26 +411,3 @@ class AsyncEngineService:
 def _deliver(items) -> None:
     for queue, item in items:
         queue.put_nowait(item)
-
-
-class _DeltaStream:
-    """The deltas of one submitted request (``async for``, ``aclose``). A stream dropped
-    unfinished cancels its request, even one never iterated: an async generator that never
-    started runs no ``finally`` when it is collected, so its request would run to the end."""
-
-    def __init__(self, service: AsyncEngineService, live: LiveRequest):
-        self._service, self._live = service, live
-        self._deltas = service._deltas(live)
-
-    def __aiter__(self) -> "_DeltaStream":
-        return self
-
-    async def __anext__(self) -> Delta:
-        return await self._deltas.__anext__()
-
-    async def aclose(self) -> None:
-        await self._deltas.aclose()
-        self._service.cancel(self._live.request_id)  # a no-op once it ended or was cancelled
-
-    def __del__(self):
-        self._service.cancel(self._live.request_id)
