@@ -14,7 +14,6 @@ from pathlib import Path
 
 import jax
 
-from shiftjax.batch import empty_batch
 from shiftjax.cache import CacheConfig, allocate_cache
 from shiftjax.serving import executables as exe
 from shiftjax.serving import page_pool
@@ -192,11 +191,9 @@ class Engine:
         caches, which its failed donated call may have consumed, are allocated afresh."""
         failed = []
         for key in sorted(self.executables.stored_keys):
-            mode, t, b = key
-            batch = exe.to_device(empty_batch(t, b, compile_options["max_pages"]), self.weights)
             try:
-                out, self.caches = self.executables.compiled[key](params_for(self.weights, mode), self.caches, batch)
-                jax.block_until_ready(out.packed)
+                self.caches, _ = exe.run_on_padding(self.executables, key, self.weights, self.caches,
+                                                    compile_options["max_pages"])
             except Exception as error:
                 report(f"stored executable {key} failed when run ({type(error).__name__}: {error}); compiling it")
                 failed.append(key)
@@ -208,7 +205,6 @@ class Engine:
             executables.compiled.update(again.compiled)
             executables.compile_seconds.update(again.compile_seconds)
             executables.stored_keys = executables.stored_keys - set(failed)
-            executables.loaded_from_store = len(executables.stored_keys)
             executables.cache_hits += again.cache_hits
 
     def _allocate_caches(self):

@@ -110,8 +110,11 @@ class Executables:
     max_top_logprobs: int = 0
     wall_seconds: float = 0.0
     cache_hits: int = 0
-    loaded_from_store: int = 0  # from the ExecutableStore: neither lowered nor compiled
-    stored_keys: frozenset = frozenset()  # which ones
+    stored_keys: frozenset = frozenset()  # from the ExecutableStore: neither lowered nor compiled
+
+    @property
+    def loaded_from_store(self) -> int:
+        return len(self.stored_keys)
 
     def get(self, mode: str, num_tokens: int, num_seqs: int):
         return self.compiled[(mode, num_tokens, num_seqs)]
@@ -152,7 +155,8 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
                    max_top_logprobs=max_top_logprobs)
     steps = _steps(weights, ladder, modes)
     if only is not None:
-        steps = [k for k in steps if k in set(only)]
+        only = set(only)
+        steps = [k for k in steps if k in only]
     compiled, seconds, store_keys = {}, {}, {}
 
     def ready(key, executable, elapsed):
@@ -198,7 +202,7 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
     # mesh must run them (time_executables) in the same order, collectives and all.
     return Executables(ladder, {k: compiled[k] for k in steps}, {k: seconds[k] for k in steps},
                        max_top_logprobs=max_top_logprobs, wall_seconds=time.perf_counter() - start,
-                       cache_hits=events.cache_hits, loaded_from_store=len(stored), stored_keys=stored)
+                       cache_hits=events.cache_hits, stored_keys=stored)
 
 
 def _steps(weights, ladder, modes) -> list[tuple[str, int, int]]:
@@ -296,17 +300,25 @@ def time_executables(executables: Executables, weights: ModelWeights, caches: KV
                      max_pages: int, repeats: int = 3) -> KVCache:
     """Times every executable on an all-padding batch (it writes only the scratch page);
     returns the caches, rebound after each donated call."""
-    for (mode, t, b), exe in executables.compiled.items():
-        batch = to_device(empty_batch(t, b, max_pages), weights)
-        params = params_for(weights, mode)
-        out, caches = exe(params, caches, batch)  # warm-up
-        jax.block_until_ready(out.packed)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            out, caches = exe(params, caches, batch)
-        jax.block_until_ready(out.packed)
-        executables.run_seconds[(mode, t, b)] = (time.perf_counter() - start) / repeats
+    for key in executables.compiled:
+        caches, _ = run_on_padding(executables, key, weights, caches, max_pages)  # warm-up
+        caches, executables.run_seconds[key] = run_on_padding(executables, key, weights, caches, max_pages, repeats)
     return caches
+
+
+def run_on_padding(executables: Executables, key: tuple[str, int, int], weights: ModelWeights, caches: KVCache,
+                   max_pages: int, repeats: int = 1) -> tuple[KVCache, float]:
+    """Runs one executable ``repeats`` times on an all-padding batch (it writes only the
+    scratch page); the caches, rebound after each donated call, and the seconds per run
+    (the batch's transfer not counted)."""
+    mode, t, b = key
+    batch = to_device(empty_batch(t, b, max_pages), weights)
+    params = params_for(weights, mode)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out, caches = executables.compiled[key](params, caches, batch)
+    jax.block_until_ready(out.packed)
+    return caches, (time.perf_counter() - start) / repeats
 
 
 def packed_to_host(packed) -> np.ndarray:
