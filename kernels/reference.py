@@ -59,9 +59,8 @@ def _scatter_bits(cache, layer, page, offset, rows):
     XLA's CPU backend otherwise widens a bf16 scatter to f32, converting the whole stacked
     cache there and back every layer (tests/test_kernels.py's in-place check caught it);
     a bitcast of equal width is free, so the scatter stays in place."""
-    bits = jnp.dtype(f"uint{8 * cache.dtype.itemsize}")
-    updated = lax.bitcast_convert_type(cache, bits).at[layer, :, page, offset].set(
-        lax.bitcast_convert_type(rows.astype(cache.dtype), bits), mode="promise_in_bounds")
+    updated = _as_bits(cache).at[layer, :, page, offset].set(_as_bits(rows.astype(cache.dtype)),
+                                                              mode="promise_in_bounds")
     return lax.bitcast_convert_type(updated, cache.dtype)
 
 

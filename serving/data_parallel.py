@@ -87,20 +87,19 @@ class DataParallelService:
     """:class:`protocol.EngineService` over ``replicas``, each an engine service of its own
     (normally an :class:`AsyncEngineService` on one device; ``Sequence[EngineService]``,
     unannotated since a Protocol cannot be checked at run time). ``devices`` names each
-    replica's device for :meth:`info` (default: read off the replica's engine).
+    replica's device for :meth:`info`.
 
     ``submit`` may be called from any thread or loop; the routing table is guarded by a
     lock held only for dictionary updates.
     """
 
-    def __init__(self, replicas: Sequence, tokenizer, *, model_name: str = "default",
-                 devices: Sequence[str] | None = None):
+    def __init__(self, replicas: Sequence, tokenizer, *, devices: Sequence[str], model_name: str = "default"):
         if not replicas:
             raise ValueError("a data-parallel service needs at least one replica")
         self.replicas = list(replicas)
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self._devices = list(devices) if devices is not None else None
+        self._devices = list(devices)
         self._lock = threading.Lock()
         self._routes: dict[str, _Routed] = {}
         self._routed_total = [0] * len(self.replicas)
@@ -139,21 +138,16 @@ class DataParallelService:
     def queued_tokens(self) -> list[int]:
         """Per replica, the tokens its routed, unfinished requests still owe (module docstring)."""
         with self._lock:
-            return self._queued_tokens_locked()
+            return self._loads_locked()[0]
 
-    def _queued_tokens_locked(self) -> list[int]:
-        queued = [0] * len(self.replicas)
+    def _loads_locked(self) -> tuple[list[int], list[int]]:
+        """Per replica: queued tokens and live requests, in one pass over the routes."""
+        queued, live = [0] * len(self.replicas), [0] * len(self.replicas)
         for routed in self._routes.values():
             if routed.replica >= 0:  # -1: reserved by a submit that has not picked yet
                 queued[routed.replica] += routed.queued_tokens
-        return queued
-
-    def _live_locked(self) -> list[int]:
-        live = [0] * len(self.replicas)
-        for routed in self._routes.values():
-            if routed.replica >= 0:
                 live[routed.replica] += 1
-        return live
+        return queued, live
 
     def submit(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         """Routes ``request`` to the replica with the fewest queued tokens; if that one's
@@ -168,7 +162,7 @@ class DataParallelService:
             request_id = request.request_id or f"req-{next(self._ids)}"
             if request_id in self._routes:
                 raise InvalidRequest("request_id", f"{request_id!r} is already in flight; use a unique id")
-            queued, live = self._queued_tokens_locked(), self._live_locked()
+            queued, live = self._loads_locked()
             routed = _Routed(-1, len(request.prompt_ids), request.params.max_tokens)
             self._routes[request_id] = routed  # reserves the id while a replica validates
         request = dataclasses.replace(request, request_id=request_id)
@@ -233,7 +227,7 @@ class DataParallelService:
         each_stats = [r.stats() for r in self.replicas]
         each_info = [r.info() for r in self.replicas]
         with self._lock:
-            queued, live, routed = self._queued_tokens_locked(), self._live_locked(), list(self._routed_total)
+            (queued, live), routed = self._loads_locked(), list(self._routed_total)
         info = dict(each_info[0])
         info["model"] = self.model_name
         info["ready"] = all(s.ready for s in each_stats)
@@ -255,7 +249,7 @@ class DataParallelService:
                 "compile_seconds_summed": sum(float(s.get("compile_seconds_summed") or 0.0) for s in startups)}
         info["routing"] = "fewest queued tokens (prompt tokens not yet prefilled + max_tokens not yet streamed)"
         info["replicas"] = [
-            {"index": i, "device": self._devices[i] if self._devices else _device_of(self.replicas[i]),
+            {"index": i, "device": self._devices[i],
              "queued_tokens": queued[i], "live_requests": live[i],
              "routed_requests": routed[i], "running": s.running, "waiting": s.waiting,
              "num_pages": s.num_pages, "free_pages": s.free_pages, "steps": s.steps, "ready": s.ready}
@@ -301,13 +295,6 @@ def _sum_counts(dicts) -> dict[str, int]:
             total[key] = total.get(key, 0) + value
     return total
 
-
-def _device_of(replica) -> str:
-    """The replica's device, read off its engine's mesh once it is built ('?' before)."""
-    engine = getattr(replica, "engine", None)
-    if engine is None:
-        return "?"
-    return ",".join(str(d) for d in engine.weights.mesh.devices.flat)
 
 
 class StartupSummer:

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import itertools
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -47,12 +46,6 @@ SERVE_ARGS = ("--cpu-devices", "4", "--sp", "2", "--tp", "2", "--mode", "auto",
               "--shift-threshold", str(SHIFT_THRESHOLD), "--token-buckets", TOKEN_BUCKETS,
               "--seq-buckets", SEQ_BUCKETS, "--max-model-len", "128", "--max-num-seqs", "8",
               "--max-num-batched-tokens", "16", "--grace-seconds", "30")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _runs(modes) -> str:
@@ -177,10 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for SERVING")
     parser.add_argument("serve_args", nargs="*", help="more `shiftjax serve` options (after --)")
     args = parser.parse_args(argv)
+    from shiftjax.serving.bench.server_process import free_port
     from shiftjax.serving.client import Client
 
     started = time.monotonic()
-    grpc_port, metrics_port = _free_port(), _free_port()
+    grpc_port, metrics_port = free_port(), free_port()
     address = f"127.0.0.1:{grpc_port}"
     server = Server(grpc_port, metrics_port, args.serve_args)
     failures = []

@@ -29,10 +29,10 @@ class LiveRequest:
     sent: int = 0  # output tokens already streamed
     done: bool = False
 
-    def usage(self, request: Request | None) -> Usage:
+    def usage(self) -> Usage:
         """Times from submit; ``ttft_seconds`` is 0.0 when no token came (and
         ``queue_seconds`` the whole wait when the request never ran)."""
-        now = time.monotonic()
+        now, request = time.monotonic(), self.engine_request
         return Usage(
             prompt_tokens=len(self.request.prompt_ids), output_tokens=self.sent,
             queue_seconds=(self.first_scheduled or now) - self.submitted,

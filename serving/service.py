@@ -361,8 +361,8 @@ class AsyncEngineService:
     def _end(self, live: LiveRequest, reason: str, outgoing: dict, delta: Delta | None = None,
              stop_reason: int | str | None = None) -> None:
         """Finishes a request: frees its pages now, streams the last delta with usage."""
-        request = self._forget(live, reason)
-        usage = live.usage(request)
+        self._forget(live, reason)
+        usage = live.usage()
         delta = delta or Delta(live.request_id)
         self._queue(live, Delta(delta.request_id, delta.token_ids, delta.text, delta.logprobs,
                                 finish_reason=reason, stop_reason=stop_reason, usage=usage), outgoing)
@@ -371,12 +371,12 @@ class AsyncEngineService:
     def _fail(self, live: LiveRequest, outgoing: dict, error: Exception | None = None) -> None:
         if live.done:
             return
-        request = self._forget(live, FINISH_ERROR)
+        self._forget(live, FINISH_ERROR)
         self._queue(live, error or RequestFailed(f"request {live.request_id} failed inside the engine; "
                                                  f"see the server log"), outgoing)
-        self._observe("on_finish", usage=live.usage(request), finish_reason=FINISH_ERROR)
+        self._observe("on_finish", usage=live.usage(), finish_reason=FINISH_ERROR)
 
-    def _forget(self, live: LiveRequest, reason: str) -> Request | None:
+    def _forget(self, live: LiveRequest, reason: str) -> None:
         live.done = True
         request = live.engine_request
         if request is not None:
@@ -385,7 +385,6 @@ class AsyncEngineService:
             self._by_request.pop(request, None)
         with self._wake:
             self._live.pop(live.request_id, None)
-        return request
 
     def _observe(self, hook: str, **values) -> None:
         """Calls an observer hook; a failing observer is logged, never fails a request."""

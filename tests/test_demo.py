@@ -2,21 +2,13 @@
 the lone request's decode steps ran TP, the burst's steps mostly SP, and the server
 exited 0 after SIGTERM."""
 
-import os
 import subprocess
 import sys
 
 import pytest
+from subprocess_env import environ_without_device_count
 
 from shiftjax.serving.demo import _runs
-
-
-def environ_without_device_count() -> dict[str, str]:
-    """This process's environment less conftest.py's ``--xla_force_host_platform_device_count``."""
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join(flags)
-    return env
 
 
 def test_step_trace_in_one_line():

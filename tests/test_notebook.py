@@ -1,25 +1,17 @@
 """notebooks/quickstart.ipynb runs from top to bottom without an error (nbclient, a fresh
 ipykernel) and draws its plot."""
 
-import os
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from subprocess_env import environ_without_device_count
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
-
-
-def environ_without_device_count() -> dict[str, str]:
-    """This process's environment less conftest.py's ``--xla_force_host_platform_device_count``."""
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join(flags)
-    return env
 
 
 def test_quickstart_notebook_runs():

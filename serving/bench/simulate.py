@@ -114,7 +114,7 @@ def simulate(requests: Sequence[SimRequest], *, scheduler_config: SchedulerConfi
     pool = [_Replica(r, Scheduler(scheduler_config), make_policy()) for r in range(replicas)]
     records = {i: RequestRecord(i, requests[i].prompt_len, requests[i].output_len,
                                 scheduled_at=requests[i].arrival_s) for i in range(len(requests))}
-    owner: dict[int, tuple[_Replica, int]] = {}  # id(Request) -> (replica, record index)
+    owner: dict[int, int] = {}  # id(Request) -> record index
     last_chunk: dict[int, float] = {}
     steps: list[StepLog] = []
     next_send = 0  # index into order
@@ -136,7 +136,7 @@ def simulate(requests: Sequence[SimRequest], *, scheduler_config: SchedulerConfi
         except QueueFull as error:  # the server answers RESOURCE_EXHAUSTED; the bench counts a failure
             record.error = str(error)
             return
-        owner[id(request)] = (replica, index)
+        owner[id(request)] = index
         replica.queued_tokens += spec.prompt_len + spec.output_len
         replica.live += 1
         in_flight += 1
@@ -175,10 +175,8 @@ def simulate(requests: Sequence[SimRequest], *, scheduler_config: SchedulerConfi
         sampled = [r for r, s in zip(scheduled.requests, scheduled.samples) if s]
         prompt_done = {id(r) for r in sampled if not r.output_ids}
         finished = scheduler.commit(scheduled, [0] * seqs, [0.0] * seqs, mode)
-        for request in scheduled.requests:
-            records[owner[id(request)][1]].modes.append(mode)
         for request in sampled:
-            index = owner[id(request)][1]
+            index = owner[id(request)]
             record = records[index]
             if id(request) in prompt_done:
                 record.ttft = end - record.sent_at
@@ -189,8 +187,8 @@ def simulate(requests: Sequence[SimRequest], *, scheduler_config: SchedulerConfi
             record.output_tokens += 1
             replica.queued_tokens -= 1
         for request in finished:
-            index = owner[id(request)][1]
-            record = records[index]
+            record = records[owner[id(request)]]
+            record.modes = list(request.modes)  # the mode of every step it was in (Scheduler.commit)
             record.e2el = end - record.sent_at
             record.success = True
             replica.live -= 1
@@ -212,18 +210,3 @@ def measured_run_seconds(ladder: BucketLadder, modes: Sequence[str], step_second
     """What ``executables.time_executables`` would record for each bucket: the step time of an
     all-padding batch (no sequence attends to anything), keyed ``(mode, tokens, seqs)``."""
     return {(mode, t, b): step_seconds(mode, t, b, []) for mode in modes for t, b in ladder.pairs()}
-
-
-def timeline(steps: Sequence[StepLog], interval_s: float) -> list[dict]:
-    """Per interval: steps and tokens by mode and the mean queue length, for a time-line plot."""
-    if interval_s <= 0:
-        raise ValueError(f"interval_s must be > 0, got {interval_s}")
-    bins: dict[int, dict] = {}
-    for step in steps:
-        row = bins.setdefault(int(step.start_s // interval_s), {"steps": {}, "tokens": {}, "waiting": []})
-        row["steps"][step.mode] = row["steps"].get(step.mode, 0) + 1
-        row["tokens"][step.mode] = row["tokens"].get(step.mode, 0) + step.num_tokens
-        row["waiting"].append(step.waiting)
-    return [{"t_s": k * interval_s, "steps": v["steps"], "tokens": v["tokens"],
-             "mean_waiting": sum(v["waiting"]) / len(v["waiting"])} for k, v in sorted(bins.items())]
-
