@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,27 @@ RESULTS: dict = {}
 
 def log(*args):
     print(*args, flush=True)
+
+
+def write_results(results: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+
+
+def run_parts(results: dict, runners: dict, parts: list[str], path: str) -> None:
+    """Runs each named part into ``results[part]``; one that raises is recorded as an error
+    (with its traceback) and the rest still run; ``results`` is rewritten to ``path`` after
+    every part, so a run cut short keeps what finished."""
+    for part in parts:
+        start = time.perf_counter()
+        log(f"== {part}")
+        try:
+            results[part] = runners[part]()
+        except Exception as error:  # one failing part must not lose the others' numbers
+            results[part] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+            log(f"  {part} FAILED: {results[part]['error']}")
+        results.setdefault("part_seconds", {})[part] = round(time.perf_counter() - start, 2)
+        write_results(results, path)
 
 
 def ceilings(smoke: bool) -> dict:
@@ -357,20 +379,10 @@ def main() -> int:
     parts = [p for p in args.parts.split(",") if p]
     if args.smoke and args.parts == PARTS:
         parts = list(runners)  # every code path, the GPU-only variants included
-    for part in parts:
-        start = time.perf_counter()
-        log(f"== {part}")
-        try:
-            RESULTS[part] = runners[part]()
-        except Exception as error:  # one failing part must not lose the others' numbers
-            RESULTS[part] = {"error": f"{type(error).__name__}: {error}"}
-            log(f"  {part} FAILED: {RESULTS[part]['error']}")
-        RESULTS.setdefault("part_seconds", {})[part] = time.perf_counter() - start
-        with open(os.path.join(args.out, "shift_x2.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1, default=str)
+    path = os.path.join(args.out, "shift_x2.json")
+    run_parts(RESULTS, runners, parts, path)
     RESULTS["summary"] = summarise(RESULTS)
-    with open(os.path.join(args.out, "shift_x2.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1, default=str)
+    write_results(RESULTS, path)
     log(json.dumps(RESULTS["summary"], indent=1))
     return 0 if all("error" not in RESULTS[p] for p in parts) else 1
 

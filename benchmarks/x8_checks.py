@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -42,9 +40,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model_gpu import LLAMA8B, SMOLLM2, device_random_params  # noqa: E402
 from roofline import time_fn  # noqa: E402
-from shift_x2 import PAGE, prefill_batch  # noqa: E402
+from shift_x2 import PAGE, log, prefill_batch, run_parts, write_results  # noqa: E402
 
 from shiftjax.cache import CacheConfig, allocate_cache  # noqa: E402
+from shiftjax.checkpoints.default_model import default_model_path  # noqa: E402
+from shiftjax.checkpoints.load import load_weights  # noqa: E402
 from shiftjax.layouts.mesh import make_mesh  # noqa: E402
 from shiftjax.serving.engine import Engine, EngineConfig  # noqa: E402
 from shiftjax.serving.executables import to_device  # noqa: E402
@@ -55,10 +55,6 @@ from shiftjax.weights import shard_params  # noqa: E402
 PARTS = "devices,values,collectives,tokens,llama8b"
 BF16_TOLERANCE = 1e-2  # relative L2 of TP vs SP logits (shift_x2.correctness uses the same)
 RESULTS: dict = {}
-
-
-def log(*args):
-    print(*args, flush=True)
 
 
 def check_devices(expect: int) -> dict:
@@ -155,14 +151,6 @@ def collectives(dry_run: bool) -> dict:
     return out
 
 
-def _default_model_weights(mesh):
-    """The real default model on ``mesh`` (float32), or None where it cannot be loaded."""
-    from shiftjax.checkpoints.load import load_weights
-
-    config, weights = load_weights("default", mesh=mesh, dtype="float32")
-    return config, weights
-
-
 def greedy_tokens(dry_run: bool, attention: str, require_default: bool) -> dict:
     """Greedy tokens of one device, tp=N, sp=N and alternate (sp=N): all identical."""
     n = jax.device_count()
@@ -173,8 +161,8 @@ def greedy_tokens(dry_run: bool, attention: str, require_default: bool) -> dict:
     greedy = SamplingParams(max_tokens=4 if dry_run else 16, ignore_eos=True)
     model = "default (SmolLM2-135M-Instruct)"
     try:
-        _default_model_weights(make_mesh(1, 1, devices[:1]))
-        load = lambda mesh: _default_model_weights(mesh)[1]  # noqa: E731
+        default_model_path()  # prepared from the packaged GGUF, or raises where it is missing
+        load = lambda mesh: load_weights("default", mesh=mesh, dtype="float32")[1]  # noqa: E731
     except Exception as error:  # the device machine may not have the packaged GGUF
         if require_default:
             raise
@@ -226,7 +214,7 @@ def llama8b_logits(dry_run: bool, attention: str) -> dict:
     argmax_equal = bool((logits["tp"].argmax(-1) == logits["sp"].argmax(-1)).all())
     log(f"  8B shape ({'tiny stand-in' if dry_run else 'full'}) TP vs SP logits over {n}: relative error "
         f"{rel:.2e}, argmax equal {argmax_equal}")
-    return {"shape": dataclasses.asdict(big) if dataclasses.is_dataclass(big) else str(big),
+    return {"shape": dataclasses.asdict(big),
             "stand_in": dry_run, "sequences": seqs, "tokens_each": length, "tp_vs_sp_rel": rel,
             "argmax_equal": argmax_equal, "bf16_tolerance": BF16_TOLERANCE, "pass": rel < BF16_TOLERANCE}
 
@@ -253,20 +241,9 @@ def main() -> int:
                "tokens": lambda: greedy_tokens(dry_run, attention, require_default=dry_run),
                "llama8b": lambda: llama8b_logits(dry_run, attention)}
     parts = [p for p in args.parts.split(",") if p]
-    for part in parts:
-        start = time.perf_counter()
-        log(f"== {part}")
-        try:
-            RESULTS[part] = runners[part]()
-        except Exception as error:  # one failing part must not lose the others' results
-            RESULTS[part] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
-            log(f"  {part} FAILED: {RESULTS[part]['error']}")
-        RESULTS.setdefault("part_seconds", {})[part] = round(time.perf_counter() - start, 2)
-        with open(path, "w") as f:
-            json.dump(RESULTS, f, indent=1, default=str)
+    run_parts(RESULTS, runners, parts, path)
     RESULTS["pass"] = {p: ("error" not in RESULTS[p] and RESULTS[p].get("pass", True)) for p in parts}
-    with open(path, "w") as f:
-        json.dump(RESULTS, f, indent=1, default=str)
+    write_results(RESULTS, path)
     log(f"checks passed: {RESULTS['pass']}")
     return 0 if all(RESULTS["pass"].values()) else 1
 
