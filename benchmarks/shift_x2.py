@@ -318,17 +318,14 @@ def engine_loop(smoke: bool, attention: str) -> dict:
 
 
 def summarise(results: dict) -> dict:
-    """The issue's ratios from this run's own ceilings ({} when a part lacks a row, as in
-    --smoke, which runs one step of each kind)."""
-    try:
-        return _ratios(results)
-    except KeyError:
-        return {}
-
-
-def _ratios(results: dict) -> dict:
+    """The issue's ratios from this run's own ceilings ({} when a part or one of the step
+    rows they need is missing, as in --smoke, which runs one step of each kind)."""
     if not all(isinstance(results.get(p), dict) and "error" not in results[p]
                for p in ("ceilings", "steps_mesh", "steps_1gpu")):
+        return {}
+    mesh_rows = ("tp:dec8", "tp:dec64", "tp:pre2x2048", "sp:pre2x2048", "tp:pre4096", "sp:pre4096")
+    one_rows = ("tp:dec4", "tp:dec8", "tp:dec64", "tp:pre1x2048")
+    if not (all(r in results["steps_mesh"] for r in mesh_rows) and all(r in results["steps_1gpu"] for r in one_rows)):
         return {}
     read = min(c["read_Bps"] for c in results["ceilings"].values())  # the slower GPU bounds a mesh
     mesh, one = results["steps_mesh"], results["steps_1gpu"]
@@ -338,7 +335,7 @@ def _ratios(results: dict) -> dict:
     for n in (8, 64):
         s[f"tp_dec{n}_floor_ratio"] = floor_mesh * 1e3 / mesh[f"tp:dec{n}"]["wall_ms"]
         s[f"1gpu_dec{n}_floor_ratio"] = floor_one * 1e3 / one[f"tp:dec{n}"]["wall_ms"]
-        if "dec8" in results.get("engine", {}):
+        if f"dec{n}" in results.get("engine", {}):
             s[f"engine_tp_dec{n}_floor_ratio"] = floor_mesh * 1e3 / results["engine"][f"dec{n}"]["wall_ms_median"]
     s["tp_dec8_vs_1gpu_dec4_speedup"] = one["tp:dec4"]["wall_ms"] / mesh["tp:dec8"]["wall_ms"]
     # Equal work: the mesh prefills two prompts in one step; DP gives each GPU one.
