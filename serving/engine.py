@@ -177,7 +177,8 @@ class Engine:
                f"{self.executables.loaded_from_store} loaded from the executable store, "
                f"{self.executables.cache_hits} from the compilation cache")
         if config.mode == "auto" and len(self.modes) > 1 and config.shift_threshold is None:
-            self.caches = exe.time_executables(self.executables, weights, self.caches, max_pages)
+            self.caches = exe.time_executables(self.executables, weights, self.caches, max_pages,
+                                               warm=self.executables.stored_keys)
         self.policy = ShiftPolicy(config.mode, self.modes, self.executables.run_seconds,
                                   threshold=config.shift_threshold)
         self.stats = {"steps": 0, "switches": 0, "tokens": 0, "last_mode": None,

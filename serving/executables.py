@@ -297,11 +297,13 @@ def to_device(batch: StepBatch, weights: ModelWeights) -> StepBatch:
 
 
 def time_executables(executables: Executables, weights: ModelWeights, caches: KVCache,
-                     max_pages: int, repeats: int = 3) -> KVCache:
+                     max_pages: int, repeats: int = 3, warm: Collection[tuple] = ()) -> KVCache:
     """Times every executable on an all-padding batch (it writes only the scratch page);
-    returns the caches, rebound after each donated call."""
+    returns the caches, rebound after each donated call. ``warm``: keys already run once
+    (the engine's check of stored steps), which need no warm-up run."""
     for key in executables.compiled:
-        caches, _ = run_on_padding(executables, key, weights, caches, max_pages)  # warm-up
+        if key not in warm:
+            caches, _ = run_on_padding(executables, key, weights, caches, max_pages)  # warm-up
         caches, executables.run_seconds[key] = run_on_padding(executables, key, weights, caches, max_pages, repeats)
     return caches
 
