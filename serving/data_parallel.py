@@ -246,7 +246,11 @@ class DataParallelService:
                 "executables": sum(s.get("executables", 0) for s in startups),
                 "cache_hits": sum(s.get("cache_hits", 0) for s in startups),
                 "compile_seconds": max(float(s.get("compile_seconds") or 0.0) for s in startups),  # concurrent
-                "compile_seconds_summed": sum(float(s.get("compile_seconds_summed") or 0.0) for s in startups)}
+                "compile_seconds_summed": sum(float(s.get("compile_seconds_summed") or 0.0) for s in startups),
+                "loaded_from_store": sum(s.get("loaded_from_store", 0) for s in startups),
+                # the replicas start at once: each phase took as long as its slowest replica's
+                "phase_seconds": {phase: max(s.get("phase_seconds", {}).get(phase, 0.0) for s in startups)
+                                  for phase in dict.fromkeys(p for s in startups for p in s.get("phase_seconds", {}))}}
         info["routing"] = "fewest queued tokens (prompt tokens not yet prefilled + max_tokens not yet streamed)"
         info["replicas"] = [
             {"index": i, "device": self._devices[i],

@@ -139,6 +139,9 @@ class Engine:
         dtype = config.cache_dtype or str(weights.tp.embed.dtype)
         compile_options = dict(max_pages=max_pages, attention=config.attention, layer_loop=layer_loop,
                                max_top_logprobs=config.max_top_logprobs)
+        # Seconds per start-up phase, for the log and ServerInfo: a slow start says where it went.
+        self.startup_seconds: dict[str, float] = {}
+        started = time.perf_counter()
         self.page_pool = page_pool.size_pool(
             num_pages=config.num_pages, kv_memory_fraction=config.kv_memory_fraction,
             fallback_pages=config.pages(), mesh_devices=weights.mesh.devices,
@@ -158,6 +161,7 @@ class Engine:
             num_pages=num_pages, max_queue=config.max_queue))
         self._cache_config = CacheConfig(num_pages=num_pages, page_size=config.page_size, dtype=dtype)
         self.caches = self._allocate_caches()
+        self.startup_seconds["kv_cache"] = time.perf_counter() - started
 
         def progress(done, total, elapsed):
             report(f"{done} of {total} executables ready, {elapsed:.1f} s")
@@ -171,14 +175,21 @@ class Engine:
             store = ExecutableStore(Path(config.executable_store))
         self.executables = exe.compile_all(weights, self.caches, ladder, self.modes, progress=progress,
                                            store=store, report=report, **compile_options)
+        self.startup_seconds["executables"] = self.executables.wall_seconds
         if self.executables.stored_keys:
+            started = time.perf_counter()
             self._check_stored(ladder, store, report, compile_options)
+            self.startup_seconds["check_stored"] = time.perf_counter() - started
         report(f"{len(self.executables.compiled)} executables ready in {self.executables.wall_seconds:.1f} s: "
                f"{self.executables.loaded_from_store} loaded from the executable store, "
                f"{self.executables.cache_hits} from the compilation cache")
         if config.mode == "auto" and len(self.modes) > 1 and config.shift_threshold is None:
+            started = time.perf_counter()
             self.caches = exe.time_executables(self.executables, weights, self.caches, max_pages,
                                                warm=self.executables.stored_keys)
+            self.startup_seconds["policy_timing"] = time.perf_counter() - started
+        report("start-up: " + ", ".join(f"{phase.replace('_', ' ')} {seconds:.1f} s"
+                                         for phase, seconds in self.startup_seconds.items()))
         self.policy = ShiftPolicy(config.mode, self.modes, self.executables.run_seconds,
                                   threshold=config.shift_threshold)
         self.stats = {"steps": 0, "switches": 0, "tokens": 0, "last_mode": None,

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
-
 from pathlib import Path
+
+import jax
 
 from shiftjax.checkpoints.default_model import default_model_path
 from shiftjax.checkpoints.load import load_tokenizer, load_weights, tokenizer_path_for
@@ -46,9 +48,14 @@ class LLM:
                  tokenizer: str | None = None, report=None, **engine_options):
         self.path = default_model_path() if model == "default" else Path(model)
         self.mesh = make_mesh(sp, tp, devices)
+        started = time.perf_counter()
         # Each device restores only the blocks it holds (checkpoints.load.restore_weights).
         self.config, self.weights = load_weights(model, mesh=self.mesh, dtype=dtype, weight_storage=weight_storage,
                                                  load_format=load_format)
+        jax.block_until_ready(self.weights.tp)  # loading is asynchronous; time it, not its dispatch
+        self.load_seconds = time.perf_counter() - started
+        if report is not None:
+            report(f"weights ready in {self.load_seconds:.1f} s ({load_format})")
         self.tokenizer = load_tokenizer(tokenizer_path_for(model, load_format, tokenizer))
         eos = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.config.eos_token_ids))
         self.engine = Engine(self.weights, EngineConfig(**engine_options), eos_token_ids=eos, report=report)

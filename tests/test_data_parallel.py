@@ -129,6 +129,18 @@ def test_stats_are_summed_and_info_says_dp():
     assert info["startup"]["executables"] == 8
 
 
+def test_info_startup_phases_are_the_slowest_replicas():
+    dp, replicas = fake_dp(8, 8)
+    for replica, loaded, phases in ((replicas[0], 1, {"kv_cache": 0.4, "executables": 2.0}),
+                                    (replicas[1], 3, {"kv_cache": 0.1, "executables": 9.0, "check_stored": 1.0})):
+        info = replica.info()
+        info["startup"].update(loaded_from_store=loaded, phase_seconds=phases)
+        replica.info = lambda info=info: info
+    startup = dp.info()["startup"]
+    assert startup["loaded_from_store"] == 4
+    assert startup["phase_seconds"] == {"kv_cache": 0.4, "executables": 9.0, "check_stored": 1.0}
+
+
 def test_startup_reports_are_summed_over_replicas():
     seen = []
 

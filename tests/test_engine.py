@@ -126,6 +126,7 @@ def test_every_mode_gives_the_same_greedy_tokens(engines, tp_outputs, mode):
         assert set(modes) == {"sp"}
     if mode == "auto":  # picks per bucket from the measured executable times
         assert set(engine.executables.run_seconds) == set(engine.executables.compiled)
+        assert engine.startup_seconds["policy_timing"] > 0  # a phase of its own in the start-up log
 
 
 def test_auto_with_a_threshold_runs_sp_from_the_threshold_up(engines, tp_outputs):
