@@ -219,6 +219,14 @@ class DataParallelService:
             steps_by_mode=_sum_counts(s.steps_by_mode for s in each),
             ready=all(s.ready for s in each), draining=self._draining or any(s.draining for s in each))
 
+    def step_trace(self) -> list[dict]:
+        """Every replica's last steps (``AsyncEngineService.step_trace``), each tagged with
+        its ``replica``, in the order they ended. ``running`` and ``waiting`` are the
+        replica's own."""
+        steps = [{**step, "replica": index} for index, replica in enumerate(self.replicas)
+                 for step in replica.step_trace()]
+        return sorted(steps, key=lambda step: step["time"])
+
     def info(self) -> dict:
         """Replica 0's info (model, config, modes, buckets, policy, limits: the same on
         every replica), with the mesh saying ``dp``, the page pool summed, start-up

@@ -110,9 +110,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             await _abort(context, Unavailable("the server is starting: its executables are still compiling"))
         try:
             info = self.service.info()
-            trace = getattr(self.service, "step_trace", None)  # a data-parallel front has none
-            if request.include_step_trace and trace is not None:
-                info = {**info, "step_trace": trace()}
+            if request.include_step_trace:
+                info = {**info, "step_trace": self.service.step_trace()}
             return messages.server_info_from(info, self.service.stats())
         except Exception as error:
             await _abort(context, error)

@@ -119,6 +119,12 @@ class EngineService(Protocol):
         start-up compile figures: what ServerInfo and /v1/models report."""
         ...
 
+    def step_trace(self) -> list[dict]:
+        """The last steps, oldest first (ServerInfo's ``include_step_trace``): Unix ``time``
+        at the step's end, ``mode``, ``num_tokens``, ``num_seqs``, ``running``, ``waiting``,
+        ``seconds``; a data-parallel front adds each step's ``replica``."""
+        ...
+
 
 def prompt_ids_or_error(ids: Sequence[int], vocab_size: int, field: str = "prompt_ids") -> tuple[int, ...]:
     """``ids`` as a tuple, or :class:`InvalidRequest` naming ``field``."""

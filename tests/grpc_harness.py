@@ -35,6 +35,7 @@ class FakeEngineService:
         self.live: dict[str, _FakeStream] = {}
         self.ready, self.draining = True, False
         self.submitted: list[GenerationRequest] = []
+        self.steps: list[dict] = []  # what step_trace() returns; the fake runs no steps of its own
         self._ids = itertools.count()
 
     def submit(self, request: GenerationRequest) -> "_FakeStream":
@@ -59,6 +60,9 @@ class FakeEngineService:
             return False
         stream.cancelled = True
         return True
+
+    def step_trace(self) -> list[dict]:
+        return list(self.steps)
 
     def release(self, stream: "_FakeStream") -> None:
         if self.live.pop(stream.request_id, None) is not None:

@@ -95,6 +95,27 @@ def test_mode_share_from_server_info_samples_by_hand():
     assert times.tolist() == [0.5, 2.5] and shares.tolist() == [0.25, 1.0] and counts.tolist() == [4, 2]
 
 
+def test_a_data_parallel_queue_is_drawn_from_the_summed_samples_not_one_replicas_steps():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from shiftjax.serving.bench.compare_plots import _draw_queue
+
+    samples = [{"time": 100.0, "waiting": 7, "running": 2}, {"time": 101.0, "waiting": 0, "running": 0}]
+    result = {"started_unix": 100.0, "summary": {"duration_s": 1.0}, "requests": [], "server_samples": samples}
+    labels = {}
+    for name, trace in (("one engine", [{"time": 100.5, "waiting": 3, "running": 1}]),
+                        ("dp", [{"time": 100.5, "waiting": 3, "running": 1, "replica": 1}])):
+        figure, axis = plt.subplots()
+        _draw_queue(axis, {**result, "step_trace": trace})
+        labels[name] = {line.get_label() for line in axis.get_lines()}
+        plt.close(figure)
+    assert "waiting (server, per step)" in labels["one engine"]
+    assert "waiting (server, polled)" in labels["dp"] and "waiting (server, per step)" not in labels["dp"]
+
+
 def test_configuration_errors_name_what_is_wrong(tmp_path):
     with pytest.raises(ValueError, match="unknown keys"):
         WorkloadSpec.from_dict({"name": "x", "input_length": 5})

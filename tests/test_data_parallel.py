@@ -141,6 +141,14 @@ def test_info_startup_phases_are_the_slowest_replicas():
     assert startup["phase_seconds"] == {"kv_cache": 0.4, "executables": 9.0, "check_stored": 1.0}
 
 
+def test_step_trace_merges_the_replicas_in_time_order_and_names_each():
+    dp, replicas = fake_dp(8, 8)
+    replicas[0].steps[:] = [{"time": 1.0, "mode": "tp", "waiting": 3}, {"time": 3.0, "mode": "tp", "waiting": 1}]
+    replicas[1].steps[:] = [{"time": 2.0, "mode": "tp", "waiting": 5}]
+    assert [(s["time"], s["replica"], s["waiting"]) for s in dp.step_trace()] == [(1.0, 0, 3), (2.0, 1, 5), (3.0, 0, 1)]
+    assert "replica" not in replicas[0].steps[0]  # the replicas' own traces are left alone
+
+
 def test_startup_reports_are_summed_over_replicas():
     seen = []
 
@@ -231,6 +239,16 @@ def test_concurrent_greedy_outputs_equal_offline_and_use_both_replicas(served):
     assert served["metrics"].registry.get_sample_value("shiftjax_startup_executables") == 4  # 2 per replica
     assert all(r["routed_requests"] >= 2 and r["steps"] > 0 for r in replicas), replicas
     assert all(r["free_pages"] == r["num_pages"] == ENGINE["num_pages"] - 1 for r in replicas)
+    # ServerInfo's step trace over gRPC carries both replicas' steps (bench compare's time line)
+    import grpc
+
+    from shiftjax.serving.proto.shiftjax.v1 import inference_pb2, inference_pb2_grpc
+
+    with grpc.insecure_channel(served["address"]) as channel:
+        info = inference_pb2_grpc.InferenceServiceStub(channel).ServerInfo(
+            inference_pb2.ServerInfoRequest(include_step_trace=True), timeout=60)
+    trace = json.loads(info.info_json)["step_trace"]
+    assert {s["replica"] for s in trace} == {0, 1} and all(s["mode"] == "tp" and s["seconds"] > 0 for s in trace)
 
 
 @pytest.mark.slow

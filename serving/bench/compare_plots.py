@@ -149,6 +149,8 @@ def _draw_queue(axis, result: dict) -> None:
     """Waiting and running requests on ``axis``: the server's own numbers when it gave
     them, else what the client saw (awaiting a first token, in flight)."""
     trace, samples = result.get("step_trace"), result.get("server_samples")
+    if trace and samples and any("replica" in s for s in trace):
+        trace = None  # a data-parallel step counts one replica's queue; the samples sum them
     if trace:  # the queue at each step: points, since nothing is known between steps
         times = np.array([s["time"] - result["started_unix"] for s in trace])
         axis.plot(times, [s.get("waiting", 0) for s in trace], ".", ms=3, label="waiting (server, per step)")
