@@ -152,6 +152,19 @@ def build_service(args: argparse.Namespace, *, observer=None, report=stderr_repo
                                        "weight_storage": args.weight_storage})
 
 
+def data_parallel_error(args: argparse.Namespace) -> str | None:
+    """Why ``--dp`` cannot run with the other arguments, or None: one check for the command
+    line (a usage error) and for :func:`build_data_parallel_service` (a RuntimeError)."""
+    if args.dp < 1:
+        return f"--dp must be at least 1, got {args.dp}"
+    if args.dp > 1 and args.sp * args.tp != 1:
+        return (f"--dp {args.dp} runs engines of one device each and cannot be combined with "
+                f"--sp {args.sp} --tp {args.tp}; give --sp 1 --tp 1 (or drop --dp for one sp x tp engine)")
+    if args.dp > 1 and args.num_processes != 1:
+        return "--dp runs its engines in one process; drop --num-processes/--coordinator"
+    return None
+
+
 def build_data_parallel_service(args: argparse.Namespace, *, observer=None, report=stderr_report):
     """``--dp P``: a :class:`DataParallelService` over P :class:`AsyncEngineService`
     replicas, replica ``i`` on ``jax.devices()[i]`` alone, each with the same engine
@@ -163,9 +176,8 @@ def build_data_parallel_service(args: argparse.Namespace, *, observer=None, repo
     from shiftjax.serving.data_parallel import DataParallelService, StartupSummer
     from shiftjax.serving.service import AsyncEngineService
 
-    if args.sp * args.tp != 1 or args.num_processes != 1:
-        raise RuntimeError(f"--dp {args.dp} runs engines of one device each: give --sp 1 --tp 1 in one process "
-                           f"(got --sp {args.sp} --tp {args.tp} --num-processes {args.num_processes})")
+    if error := data_parallel_error(args):
+        raise RuntimeError(error)
     configure_jax(args)
     devices = jax.devices()
     if len(devices) < args.dp:

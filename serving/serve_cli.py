@@ -74,15 +74,12 @@ def _read_secrets(parser, args) -> tuple[tuple[bytes, bytes] | None, str | None]
 
 
 def serve_main(argv: list[str]) -> int:
+    from shiftjax.serving.engine_args import data_parallel_error
+
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.dp < 1:
-        parser.error(f"--dp must be at least 1, got {args.dp}")
-    if args.dp > 1 and (args.sp > 1 or args.tp > 1):
-        parser.error(f"--dp {args.dp} runs engines of one device each and cannot be combined with "
-                     f"--sp {args.sp} --tp {args.tp}; give --sp 1 --tp 1 (or drop --dp for one sp x tp engine)")
-    if args.dp > 1 and args.num_processes > 1:
-        parser.error("--dp runs its engines in one process; drop --num-processes/--coordinator")
+    if error := data_parallel_error(args):
+        parser.error(error)
     tls, api_key = _read_secrets(parser, args)
     # Our own lines at INFO; libraries (absl via orbax logs every restore step) at WARNING.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -173,6 +173,17 @@ def test_serve_refuses_dp_with_sp_or_tp():
     assert "--dp 2 runs engines of one device each and cannot be combined with --sp 2 --tp 1" in result.stderr
 
 
+def test_the_builder_refuses_what_the_command_line_refuses():
+    from shiftjax.serving.engine_args import build_data_parallel_service
+    from shiftjax.serving.serve_cli import _parser
+
+    for argv, message in ((["--dp", "2", "--tp", "2"], "cannot be combined with --sp 1 --tp 2"),
+                          (["--dp", "2", "--num-processes", "2"], "in one process"),
+                          (["--dp", "0"], "at least 1")):
+        with pytest.raises(RuntimeError, match=message):
+            build_data_parallel_service(_parser().parse_args(argv))
+
+
 def test_dp_needs_as_many_devices_as_replicas():
     from shiftjax.serving.engine_args import build_data_parallel_service
     from shiftjax.serving.serve_cli import _parser
