@@ -56,23 +56,42 @@ import dataclasses
 import itertools
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 
 from shiftjax.serving.errors import InvalidRequest, Overloaded, Unavailable
 from shiftjax.serving.protocol import Delta, GenerationRequest, ServiceStats
 
 
 @dataclasses.dataclass(eq=False)
-class _Routed:
-    """A request in flight on one replica, and the tokens it still owes there."""
+class RoutedLoad:
+    """A request in flight on one replica, and the tokens it still owes there: what the
+    router counts (also the simulator's, serving/bench/simulate.py)."""
 
-    replica: int
+    replica: int  # -1: not placed yet
     prompt_tokens: int  # until the first output token: the prefill still to run
     output_tokens_left: int
 
     @property
     def queued_tokens(self) -> int:
         return self.prompt_tokens + self.output_tokens_left
+
+    def streamed(self, tokens: int, finished: bool) -> None:
+        """``tokens`` came back: the first ends the prefill; a finished request owes nothing."""
+        if tokens:
+            self.prompt_tokens = 0
+            self.output_tokens_left = max(self.output_tokens_left - tokens, 0)
+        if finished:
+            self.prompt_tokens = self.output_tokens_left = 0
+
+
+def replica_loads(routes: Iterable[RoutedLoad], replicas: int) -> tuple[list[int], list[int]]:
+    """Per replica: queued tokens and live requests, in one pass over the routes."""
+    queued, live = [0] * replicas, [0] * replicas
+    for routed in routes:
+        if routed.replica >= 0:
+            queued[routed.replica] += routed.queued_tokens
+            live[routed.replica] += 1
+    return queued, live
 
 
 def pick_replica(queued_tokens: Sequence[int], live_requests: Sequence[int],
@@ -101,7 +120,7 @@ class DataParallelService:
         self.model_name = model_name
         self._devices = list(devices)
         self._lock = threading.Lock()
-        self._routes: dict[str, _Routed] = {}
+        self._routes: dict[str, RoutedLoad] = {}
         self._routed_total = [0] * len(self.replicas)
         self._ids = itertools.count()
         self._draining = False
@@ -141,13 +160,7 @@ class DataParallelService:
             return self._loads_locked()[0]
 
     def _loads_locked(self) -> tuple[list[int], list[int]]:
-        """Per replica: queued tokens and live requests, in one pass over the routes."""
-        queued, live = [0] * len(self.replicas), [0] * len(self.replicas)
-        for routed in self._routes.values():
-            if routed.replica >= 0:  # -1: reserved by a submit that has not picked yet
-                queued[routed.replica] += routed.queued_tokens
-                live[routed.replica] += 1
-        return queued, live
+        return replica_loads(self._routes.values(), len(self.replicas))
 
     def submit(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         """Routes ``request`` to the replica with the fewest queued tokens; if that one's
@@ -163,7 +176,7 @@ class DataParallelService:
             if request_id in self._routes:
                 raise InvalidRequest("request_id", f"{request_id!r} is already in flight; use a unique id")
             queued, live = self._loads_locked()
-            routed = _Routed(-1, len(request.prompt_ids), request.params.max_tokens)
+            routed = RoutedLoad(-1, len(request.prompt_ids), request.params.max_tokens)
             self._routes[request_id] = routed  # reserves the id while a replica validates
         request = dataclasses.replace(request, request_id=request_id)
         candidates = list(range(len(self.replicas)))
@@ -187,13 +200,9 @@ class DataParallelService:
         self._forget(request_id)
         raise Overloaded(f"every replica's waiting queue is full ({refusal}); retry later")
 
-    def _account(self, routed: _Routed, delta: Delta) -> None:
+    def _account(self, routed: RoutedLoad, delta: Delta) -> None:
         with self._lock:
-            if delta.token_ids:
-                routed.prompt_tokens = 0
-                routed.output_tokens_left = max(routed.output_tokens_left - len(delta.token_ids), 0)
-            if delta.finish_reason is not None:
-                routed.prompt_tokens = routed.output_tokens_left = 0
+            routed.streamed(len(delta.token_ids), delta.finish_reason is not None)
 
     def _forget(self, request_id: str) -> None:
         with self._lock:
@@ -276,7 +285,7 @@ class _RoutedStream:
     stream even when the stream was never started (a generator's ``finally`` would not
     run then, and the route would weigh on its replica for ever)."""
 
-    def __init__(self, service: DataParallelService, request_id: str, routed: _Routed, stream):
+    def __init__(self, service: DataParallelService, request_id: str, routed: RoutedLoad, stream):
         self._service, self._request_id, self._routed, self._stream = service, request_id, routed, stream
         self._closed = False
 

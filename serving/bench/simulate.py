@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 from shiftjax.serving.bench.metrics import RequestRecord, summarize
 from shiftjax.serving.bench.workloads import read_trace, window_trace
-from shiftjax.serving.data_parallel import pick_replica
+from shiftjax.serving.data_parallel import RoutedLoad, pick_replica, replica_loads
 from shiftjax.serving.executables import BucketLadder
 from shiftjax.serving.policy import ShiftPolicy
 from shiftjax.serving.sampling_params import SamplingParams
@@ -94,8 +94,6 @@ class _Replica:
     scheduler: Scheduler
     policy: ShiftPolicy
     clock: float = 0.0
-    queued_tokens: int = 0
-    live: int = 0
 
 
 def simulate(requests: Sequence[SimRequest], *, scheduler_config: SchedulerConfig, ladder: BucketLadder,
@@ -115,6 +113,7 @@ def simulate(requests: Sequence[SimRequest], *, scheduler_config: SchedulerConfi
     records = {i: RequestRecord(i, requests[i].prompt_len, requests[i].output_len,
                                 scheduled_at=requests[i].arrival_s) for i in range(len(requests))}
     owner: dict[int, int] = {}  # id(Request) -> record index
+    routes: dict[int, RoutedLoad] = {}  # record index -> what the router counts for it
     last_chunk: dict[int, float] = {}
     steps: list[StepLog] = []
     next_send = 0  # index into order
@@ -126,8 +125,7 @@ def simulate(requests: Sequence[SimRequest], *, scheduler_config: SchedulerConfi
         spec = requests[index]
         record = records[index]
         record.sent_at = now
-        loads = [r.queued_tokens for r in pool]
-        replica = pool[pick_replica(loads, [r.live for r in pool])]
+        replica = pool[pick_replica(*replica_loads(routes.values(), len(pool)))]
         if not replica.scheduler.has_work:
             replica.clock = max(replica.clock, now)
         try:
@@ -137,8 +135,7 @@ def simulate(requests: Sequence[SimRequest], *, scheduler_config: SchedulerConfi
             record.error = str(error)
             return
         owner[id(request)] = index
-        replica.queued_tokens += spec.prompt_len + spec.output_len
-        replica.live += 1
+        routes[index] = RoutedLoad(replica.index, spec.prompt_len, spec.output_len)
         in_flight += 1
 
     def send_time() -> float:
@@ -180,18 +177,17 @@ def simulate(requests: Sequence[SimRequest], *, scheduler_config: SchedulerConfi
             record = records[index]
             if id(request) in prompt_done:
                 record.ttft = end - record.sent_at
-                replica.queued_tokens -= requests[index].prompt_len
             else:
                 record.itl.append(end - last_chunk[index])
             last_chunk[index] = end
             record.output_tokens += 1
-            replica.queued_tokens -= 1
+            routes[index].streamed(1, finished=False)
         for request in finished:
             record = records[owner[id(request)]]
+            del routes[owner[id(request)]]
             record.modes = list(request.modes)  # the mode of every step it was in (Scheduler.commit)
             record.e2el = end - record.sent_at
             record.success = True
-            replica.live -= 1
             in_flight -= 1
             free_at = max(free_at, end)
     done = [r for r in records.values() if r.success]
