@@ -12,7 +12,7 @@ and ``sp`` deployments' step traces on the Azure trace (``step_trace``, host wor
 included), one table per mode, shared by every deployment that runs that mode; the host
 time between consecutive steps (the service loop's, outside a step's own seconds) is the
 median gap in the same traces. The shift policy gets the timings the real server measured
-at start (``info_json.policy.timing``). DP is left out: its server reports no step trace.
+at start (``info_json.policy.timing``). DP is left out: at 3ec5d66, when these runs were made, its server reported no step trace.
 
     .venv/bin/python benchmarks/replay_check.py --out benchmarks/results/replay_check
     .venv/bin/python benchmarks/replay_check.py --smoke --out /tmp/replay   # short workloads
@@ -66,7 +66,10 @@ def host_gap_seconds(trace: list[dict]) -> float:
     """Median time between one step's end and the next one's start, over back-to-back steps
     (a gap longer than 50 ms is the server idling, not host work)."""
     gaps = [b["time"] - a["time"] - b["seconds"] for a, b in zip(trace, trace[1:])]
-    return statistics.median(g for g in gaps if -0.001 < g < 0.05)
+    back_to_back = [g for g in gaps if -0.001 < g < 0.05]
+    if not back_to_back:
+        raise SystemExit(f"the step trace has no back-to-back steps ({len(trace)} steps) to measure host time from")
+    return statistics.median(back_to_back)
 
 
 def make_step_seconds(tables: dict[str, dict], token_buckets):
@@ -77,7 +80,12 @@ def make_step_seconds(tables: dict[str, dict], token_buckets):
                  for mode, table in tables.items()}
 
     def step_seconds(mode: str, tokens: int, seqs: int, _contexts) -> float:
-        return tables[mode].get((tokens, seqs), by_tokens[mode][tokens])
+        if (tokens, seqs) in tables[mode]:
+            return tables[mode][(tokens, seqs)]
+        if tokens not in by_tokens[mode]:
+            raise SystemExit(f"the {mode} step trace ran no {tokens}-token step {MIN_STEPS} times: "
+                             f"no step time to replay it with")
+        return by_tokens[mode][tokens]
 
     return step_seconds
 

@@ -160,7 +160,7 @@ class Engine:
             max_model_len=config.max_model_len, page_size=config.page_size,
             num_pages=num_pages, max_queue=config.max_queue))
         self._cache_config = CacheConfig(num_pages=num_pages, page_size=config.page_size, dtype=dtype)
-        self.caches = self._allocate_caches()
+        self.caches = jax.block_until_ready(self._allocate_caches())  # the fill, not its dispatch
         self.startup_seconds["kv_cache"] = time.perf_counter() - started
 
         def progress(done, total, elapsed):
@@ -179,6 +179,7 @@ class Engine:
         if self.executables.stored_keys:
             started = time.perf_counter()
             self._check_stored(ladder, store, report, compile_options)
+            # (a stored step that fails its check is compiled again: that time is counted here)
             self.startup_seconds["check_stored"] = time.perf_counter() - started
         report(f"{len(self.executables.compiled)} executables ready in {self.executables.wall_seconds:.1f} s: "
                f"{self.executables.loaded_from_store} loaded from the executable store, "

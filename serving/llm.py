@@ -52,7 +52,7 @@ class LLM:
         # Each device restores only the blocks it holds (checkpoints.load.restore_weights).
         self.config, self.weights = load_weights(model, mesh=self.mesh, dtype=dtype, weight_storage=weight_storage,
                                                  load_format=load_format)
-        jax.block_until_ready(self.weights.tp)  # loading is asynchronous; time it, not its dispatch
+        jax.block_until_ready((self.weights.tp, self.weights.sp))  # time the loading, not its dispatch
         self.load_seconds = time.perf_counter() - started
         if report is not None:
             report(f"weights ready in {self.load_seconds:.1f} s ({load_format})")

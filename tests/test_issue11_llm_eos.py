@@ -47,9 +47,13 @@ def test_a_request_ending_at_eos_stops_there(edited_checkpoint):
     from shiftjax import SamplingParams
 
     ckpt, prompt, expected = edited_checkpoint
+    lines = []
     llm = shiftjax.LLM(str(ckpt), dtype="float32", max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16,
-                       token_buckets=(4, 16), seq_buckets=(2,), attention="reference")
+                       token_buckets=(4, 16), seq_buckets=(2,), attention="reference", report=lines.append)
     assert EOS in llm.engine.eos_token_ids
+    # start-up reports its phases: the weights (LLM), then the engine's
+    assert lines[0] == f"weights ready in {llm.load_seconds:.1f} s (orbax)" and llm.load_seconds > 0
+    assert lines[-1].startswith("start-up: kv cache ") and " executables " in lines[-1]
     stops, runs_on = llm.generate([prompt, prompt], [SamplingParams(max_tokens=NEW_TOKENS),
                                                       SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)])
     assert stops.output_ids == expected and stops.output_ids[-1] == EOS

@@ -215,6 +215,31 @@ def test_data_parallel_routes_to_the_least_loaded_replica():
     assert all(r.e2el == pytest.approx(30 * MS) for r in result.records)  # side by side, no sharing
 
 
+def test_data_parallel_routes_by_the_tokens_each_replica_still_owes():
+    # A (100 in, 50 out) goes to replica 0; B and C (10 in, 40 out) to replica 1, whose 50 + 50
+    # tokens are still fewer than A's 150 (a router by request count would send C to 0). E
+    # arrives at 0.35 s, when B and C owe 5 tokens each and A 15: it goes to replica 1 again
+    # (with output tokens not counted down, 80 against 50, it would go to 0).
+    requests = [sim.SimRequest(0.0, 100, 50), sim.SimRequest(0.0, 10, 40), sim.SimRequest(0.0, 10, 40),
+                sim.SimRequest(0.35, 10, 3)]
+    result = _run(requests, budget=128, replicas=2)
+    first_on = {r: next(s for s in result.steps if s.replica == r) for r in (0, 1)}
+    assert first_on[0].num_tokens == 100 and first_on[1].num_tokens == 20  # A; B and C together
+    e_prefill = [s for s in result.steps if s.start_s >= 0.35 - 1e-9 and s.num_tokens >= 10]
+    assert [(s.replica, s.num_tokens) for s in e_prefill] == [(1, 12)]  # with B's and C's decodes
+
+
+def test_routed_load_accounting_by_hand():
+    from shiftjax.serving.data_parallel import RoutedLoad, replica_loads
+
+    a, b, unplaced = RoutedLoad(0, 100, 50), RoutedLoad(1, 60, 3), RoutedLoad(-1, 5, 5)
+    assert replica_loads([a, b, unplaced], 2) == ([150, 63], [1, 1])
+    a.streamed(1, finished=False)  # the first token ends the prefill
+    b.streamed(2, finished=True)  # a stop before max_tokens owes nothing more
+    assert (a.queued_tokens, b.queued_tokens) == (49, 0)
+    assert replica_loads([a, b], 2) == ([49, 0], [1, 1])  # live until the router forgets it
+
+
 def test_preemption_under_a_small_page_pool_still_finishes():
     ladder = BucketLadder((16, 64), (1, 4))
     config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256, page_size=16, num_pages=7)

@@ -149,7 +149,7 @@ def _draw_queue(axis, result: dict) -> None:
     """Waiting and running requests on ``axis``: the server's own numbers when it gave
     them, else what the client saw (awaiting a first token, in flight)."""
     trace, samples = result.get("step_trace"), result.get("server_samples")
-    if trace and samples and any("replica" in s for s in trace):
+    if trace and any("replica" in s for s in trace):
         trace = None  # a data-parallel step counts one replica's queue; the samples sum them
     if trace:  # the queue at each step: points, since nothing is known between steps
         times = np.array([s["time"] - result["started_unix"] for s in trace])
