@@ -12,7 +12,8 @@ and ``sp`` deployments' step traces on the Azure trace (``step_trace``, host wor
 included), one table per mode, shared by every deployment that runs that mode; the host
 time between consecutive steps (the service loop's, outside a step's own seconds) is the
 median gap in the same traces. The shift policy gets the timings the real server measured
-at start (``info_json.policy.timing``). DP is left out: at 3ec5d66, when these runs were made, its server reported no step trace.
+at start (``info_json.policy.timing``). DP is left out: at 3ec5d66, when these runs were
+made, its server reported no step trace.
 
     .venv/bin/python benchmarks/replay_check.py --out benchmarks/results/replay_check
     .venv/bin/python benchmarks/replay_check.py --smoke --out /tmp/replay   # short workloads
