@@ -49,17 +49,15 @@ def runs_by_deployment(report: dict) -> dict[str, dict[str, dict]]:
             for d in report["deployments"]}
 
 
-def bucket(value: int, buckets) -> int:
-    return next(b for b in buckets if b >= value)
-
-
 def step_table(trace: list[dict], token_buckets, seq_buckets) -> dict[tuple[int, int], float]:
     """Median step seconds per (token bucket, sequence bucket) of one deployment's trace, for
     the pairs it ran at least ``MIN_STEPS`` times (the run's first step took 566 ms)."""
+    from shiftjax.serving.executables import BucketLadder
+
+    ladder = BucketLadder(tuple(token_buckets), tuple(seq_buckets))  # the bucket the engine ran
     groups: dict[tuple[int, int], list[float]] = {}
     for step in trace:
-        key = (bucket(step["num_tokens"], token_buckets), bucket(step["num_seqs"], seq_buckets))
-        groups.setdefault(key, []).append(step["seconds"])
+        groups.setdefault(ladder.pick(step["num_tokens"], step["num_seqs"]), []).append(step["seconds"])
     return {key: statistics.median(seconds) for key, seconds in groups.items() if len(seconds) >= MIN_STEPS}
 
 

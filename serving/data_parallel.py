@@ -266,8 +266,7 @@ class DataParallelService:
                 "compile_seconds_summed": sum(float(s.get("compile_seconds_summed") or 0.0) for s in startups),
                 "loaded_from_store": sum(s.get("loaded_from_store", 0) for s in startups),
                 # the replicas start at once: each phase took as long as its slowest replica's
-                "phase_seconds": {phase: max(s.get("phase_seconds", {}).get(phase, 0.0) for s in startups)
-                                  for phase in dict.fromkeys(p for s in startups for p in s.get("phase_seconds", {}))}}
+                "phase_seconds": _max_by_key(s.get("phase_seconds", {}) for s in startups)}
         info["routing"] = "fewest queued tokens (prompt tokens not yet prefilled + max_tokens not yet streamed)"
         info["replicas"] = [
             {"index": i, "device": self._devices[i],
@@ -315,6 +314,14 @@ def _sum_counts(dicts) -> dict[str, int]:
         for key, value in counts.items():
             total[key] = total.get(key, 0) + value
     return total
+
+
+def _max_by_key(dicts) -> dict[str, float]:
+    largest: dict[str, float] = {}
+    for values in dicts:
+        for key, value in values.items():
+            largest[key] = max(largest.get(key, value), value)
+    return largest
 
 
 

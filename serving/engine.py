@@ -7,6 +7,7 @@ commits the one small result array to the requests.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -141,27 +142,26 @@ class Engine:
                                max_top_logprobs=config.max_top_logprobs)
         # Seconds per start-up phase, for the log and ServerInfo: a slow start says where it went.
         self.startup_seconds: dict[str, float] = {}
-        started = time.perf_counter()
-        self.page_pool = page_pool.size_pool(
-            num_pages=config.num_pages, kv_memory_fraction=config.kv_memory_fraction,
-            fallback_pages=config.pages(), mesh_devices=weights.mesh.devices,
-            page_bytes=page_pool.page_bytes_per_device(model.num_layers, weights.layout.kv_slots,
-                                                       config.page_size, model.head_dim, dtype,
-                                                       weights.mesh.size),
-            temporary_bytes=lambda: exe.temporary_bytes(
-                weights, page_pool.abstract_cache(weights.mesh, model.num_layers, weights.layout.kv_slots,
-                                                  model.head_dim, config.page_size, dtype),
-                ladder, self.modes, **compile_options))
-        report(self.page_pool.explanation)
-        num_pages = self.page_pool.num_pages
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_batched_tokens=min(config.max_num_batched_tokens, ladder.token_buckets[-1]),
-            max_num_seqs=min(config.max_num_seqs, ladder.max_seqs()),  # so every step fits a bucket
-            max_model_len=config.max_model_len, page_size=config.page_size,
-            num_pages=num_pages, max_queue=config.max_queue))
-        self._cache_config = CacheConfig(num_pages=num_pages, page_size=config.page_size, dtype=dtype)
-        self.caches = jax.block_until_ready(self._allocate_caches())  # the fill, not its dispatch
-        self.startup_seconds["kv_cache"] = time.perf_counter() - started
+        with self._phase("kv_cache"):  # sizing the page pool, then the cache and its fill
+            self.page_pool = page_pool.size_pool(
+                num_pages=config.num_pages, kv_memory_fraction=config.kv_memory_fraction,
+                fallback_pages=config.pages(), mesh_devices=weights.mesh.devices,
+                page_bytes=page_pool.page_bytes_per_device(model.num_layers, weights.layout.kv_slots,
+                                                           config.page_size, model.head_dim, dtype,
+                                                           weights.mesh.size),
+                temporary_bytes=lambda: exe.temporary_bytes(
+                    weights, page_pool.abstract_cache(weights.mesh, model.num_layers, weights.layout.kv_slots,
+                                                      model.head_dim, config.page_size, dtype),
+                    ladder, self.modes, **compile_options))
+            report(self.page_pool.explanation)
+            num_pages = self.page_pool.num_pages
+            self.scheduler = Scheduler(SchedulerConfig(
+                max_num_batched_tokens=min(config.max_num_batched_tokens, ladder.token_buckets[-1]),
+                max_num_seqs=min(config.max_num_seqs, ladder.max_seqs()),  # so every step fits a bucket
+                max_model_len=config.max_model_len, page_size=config.page_size,
+                num_pages=num_pages, max_queue=config.max_queue))
+            self._cache_config = CacheConfig(num_pages=num_pages, page_size=config.page_size, dtype=dtype)
+            self.caches = jax.block_until_ready(self._allocate_caches())  # the fill, not its dispatch
 
         def progress(done, total, elapsed):
             report(f"{done} of {total} executables ready, {elapsed:.1f} s")
@@ -177,18 +177,16 @@ class Engine:
                                            store=store, report=report, **compile_options)
         self.startup_seconds["executables"] = self.executables.wall_seconds
         if self.executables.stored_keys:
-            started = time.perf_counter()
-            self._check_stored(ladder, store, report, compile_options)
             # (a stored step that fails its check is compiled again: that time is counted here)
-            self.startup_seconds["check_stored"] = time.perf_counter() - started
+            with self._phase("check_stored"):
+                self._check_stored(ladder, store, report, compile_options)
         report(f"{len(self.executables.compiled)} executables ready in {self.executables.wall_seconds:.1f} s: "
                f"{self.executables.loaded_from_store} loaded from the executable store, "
                f"{self.executables.cache_hits} from the compilation cache")
         if config.mode == "auto" and len(self.modes) > 1 and config.shift_threshold is None:
-            started = time.perf_counter()
-            self.caches = exe.time_executables(self.executables, weights, self.caches, max_pages,
-                                               warm=self.executables.stored_keys)
-            self.startup_seconds["policy_timing"] = time.perf_counter() - started
+            with self._phase("policy_timing"):
+                self.caches = exe.time_executables(self.executables, weights, self.caches, max_pages,
+                                                   warm=self.executables.stored_keys)
         report("start-up: " + ", ".join(f"{phase.replace('_', ' ')} {seconds:.1f} s"
                                          for phase, seconds in self.startup_seconds.items()))
         self.policy = ShiftPolicy(config.mode, self.modes, self.executables.run_seconds,
@@ -219,6 +217,13 @@ class Engine:
             executables.compile_seconds.update(again.compile_seconds)
             executables.stored_keys = executables.stored_keys - set(failed)
             executables.cache_hits += again.cache_hits
+
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        """Times a start-up phase into ``startup_seconds[name]``."""
+        started = time.perf_counter()
+        yield
+        self.startup_seconds[name] = time.perf_counter() - started
 
     def _allocate_caches(self):
         model = self.weights.config
