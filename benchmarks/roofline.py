@@ -162,18 +162,7 @@ def device_time(fn, args, iters, top=0, quiet=False):
         if not quiet:
             print(f"  (profiler failed: {type(e).__name__}: {str(e)[:120]})", flush=True)
         return None
-    ev = []
-    for plane in pd.planes:
-        if "GPU" not in plane.name and "device:" not in plane.name.lower():
-            continue
-        if "host" in plane.name.lower():
-            continue
-        lines = [ln for ln in plane.lines if ln.name.startswith("Stream")] or list(plane.lines)
-        for line in lines:
-            for e in line.events:
-                if e.name.startswith("Memcpy"):
-                    continue
-                ev.append((e.start_ns, e.start_ns + e.duration_ns, e.duration_ns, e.name))
+    ev = [e for events in _device_events(pd).values() for e in events]
     if len(ev) < iters:
         return None
     ev.sort()
@@ -198,6 +187,56 @@ def device_time(fn, args, iters, top=0, quiet=False):
             a[1] += 1
         out["top"] = sorted(((v[0] * 1e-9 / iters, v[1] / iters, k) for k, v in agg.items()), reverse=True)[:top]
     return out
+
+
+def _device_events(pd) -> dict[str, list[tuple[int, int, int, str]]]:
+    """Kernel records of a profile, per device plane: (start ns, end ns, duration ns, name);
+    copies left out."""
+    planes = {}
+    for plane in pd.planes:
+        if "GPU" not in plane.name and "device:" not in plane.name.lower():
+            continue
+        if "host" in plane.name.lower():
+            continue
+        lines = [ln for ln in plane.lines if ln.name.startswith("Stream")] or list(plane.lines)
+        events = planes.setdefault(plane.name, [])
+        for line in lines:
+            for e in line.events:
+                if not e.name.startswith("Memcpy"):
+                    events.append((e.start_ns, e.start_ns + e.duration_ns, e.duration_ns, e.name))
+    return planes
+
+
+def device_idle(fn, iters: int, gaps: int = 5) -> dict | None:
+    """How much of the time each device sits idle while ``fn()`` is called ``iters`` times
+    back to back (``fn`` syncs as it must: an engine step). Per device: the window from the
+    first kernel's start to the last one's end, the time no kernel runs in it, as a
+    fraction, and the ``gaps`` longest idle gaps. None without a device trace."""
+    try:
+        from jax._src.lib import _profiler
+        from jax.profiler import ProfileData
+        sess = _profiler.ProfilerSession()
+        for _ in range(iters):
+            fn()
+        pd = ProfileData.from_serialized_xspace(sess.stop())
+    except Exception as e:  # pragma: no cover
+        print(f"  (profiler failed: {type(e).__name__}: {str(e)[:120]})", flush=True)
+        return None
+    out = {}
+    for plane, events in _device_events(pd).items():
+        if not events:
+            continue
+        events.sort()
+        busy, idle_gaps, end = 0, [], events[0][0]
+        for start, stop, _, _ in events:
+            if start > end:
+                idle_gaps.append(start - end)
+            busy += max(stop - max(start, end), 0)
+            end = max(end, stop)
+        window = end - events[0][0]
+        out[plane] = {"window_ms": window * 1e-6, "idle_fraction": 1 - busy / window,
+                      "kernels": len(events), "longest_gaps_us": [g * 1e-3 for g in sorted(idle_gaps)[-gaps:][::-1]]}
+    return out or None
 
 
 def main():

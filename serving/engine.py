@@ -3,6 +3,12 @@
 ``Engine.step()`` schedules a batch, pads it to its bucket, lets the shift policy pick the
 mode, runs that mode's executable with the caches donated, rebinds the caches, and
 commits the one small result array to the requests.
+
+With ``async_scheduling`` (the default) the host schedules and dispatches step N+1 before
+it waits for step N, so the devices never wait for the host's share of a step (scheduling,
+padding, placing, launching, committing). A request that samples in step N decodes in
+N+1 with a token the host has not seen: a small compiled gather puts it into N+1's
+batch on the device, from N's result (``token_fills.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from shiftjax.serving.executable_store import ExecutableStore
 from shiftjax.serving.policy import ShiftPolicy
 from shiftjax.serving.sampling_params import SamplingParams
 from shiftjax.serving.scheduler import Request, ScheduledStep, Scheduler, SchedulerConfig
+from shiftjax.serving.token_fills import TokenFills
 from shiftjax.steps import params_for
 from shiftjax.weights import ModelWeights
 
@@ -47,6 +54,8 @@ class EngineConfig:
     max_top_logprobs: int = 20  # alternatives a step can return per token (0: none, narrower result)
     # a directory of compiled steps (executable_store.py): a warm start skips tracing and lowering
     executable_store: str | None = None
+    # dispatch step N+1 before waiting for step N (the device is never idle for the host)
+    async_scheduling: bool = True
 
     def __post_init__(self):
         if self.max_model_len <= 0:
@@ -100,10 +109,12 @@ class StepReport:
     num_tokens: int  # scheduled tokens (before padding)
     bucket: tuple[int, int]  # (tokens, seqs) of the executable that ran
     requests: list[Request]  # the scheduled requests, in batch order
-    sampled: list[bool]  # per request: did it get a token
+    sampled: list[bool]  # per request: did it get a token (not if it ended or was preempted first)
     finished: list[Request]
     switched: bool
-    seconds: float  # wall time of the step, host work included
+    # wall time of the step, host work included: from its launch, or from the previous
+    # step's end where the two overlapped, to its result on the host
+    seconds: float
 
 
 class Engine:
@@ -187,10 +198,16 @@ class Engine:
             with self._phase("policy_timing"):
                 self.caches = exe.time_executables(self.executables, weights, self.caches, max_pages,
                                                    warm=self.executables.stored_keys)
+        if config.async_scheduling:
+            with self._phase("token_fills"):
+                self.token_fills = TokenFills.compile(weights, ladder, config.max_top_logprobs)
         report("start-up: " + ", ".join(f"{phase.replace('_', ' ')} {seconds:.1f} s"
                                          for phase, seconds in self.startup_seconds.items()))
         self.policy = ShiftPolicy(config.mode, self.modes, self.executables.run_seconds,
                                   threshold=config.shift_threshold)
+        self._last_launched: LaunchedStep | None = None  # the source of the next step's sampled tokens
+        self._in_flight: LaunchedStep | None = None  # run_step's step launched ahead
+        self._last_finished = 0.0
         self.stats = {"steps": 0, "switches": 0, "tokens": 0, "last_mode": None,
                       "steps_by_mode": dict.fromkeys(self.modes, 0),
                       "tokens_by_mode": dict.fromkeys(self.modes, 0)}
@@ -253,18 +270,31 @@ class Engine:
         return [] if report is None else report.finished
 
     def run_step(self) -> StepReport | None:
-        """Runs one step (None when there is nothing to run) and says what it did.
+        """Runs one step (None when there is nothing to run) and says what it did. With
+        ``async_scheduling`` the next step is launched before this one's result is awaited,
+        and stays in flight when this returns.
 
         If the step raises, :class:`StepFailed` names the requests scheduled in it (the
         caller fails them; the cause is chained); caches lost to a failed donated call are
         reallocated and every running request is preempted, to recompute what it had cached."""
-        launched = self.launch_step()
-        return None if launched is None else self.finish_step(launched)
+        if self._in_flight is None:
+            self._in_flight = self.launch_step()
+            if self._in_flight is None:
+                return None
+        current, self._in_flight = self._in_flight, None
+        if self.config.async_scheduling:
+            try:
+                self._in_flight = self.launch_step()
+            except StepFailed:
+                self.finish_step(current)  # what ran is committed before the failure is raised
+                raise
+        return self.finish_step(current)
 
     def launch_step(self) -> LaunchedStep | None:
         """The first half of :meth:`run_step`: schedules and dispatches a step without
-        waiting for the device, so the host can do other work while it runs. Nothing may
-        schedule before :meth:`finish_step` has committed it."""
+        waiting for the device. It may be called once more before the step is finished
+        (the next step then decodes this one's samples on the device); steps are finished
+        in the order they were launched."""
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if scheduled is None:
@@ -273,12 +303,24 @@ class Engine:
             num_tokens, num_seqs = self.executables.ladder.pick(scheduled.num_tokens, len(scheduled.requests))
             mode = self.policy.choose(num_tokens, num_seqs)
             batch = exe.to_device(exe.pad_batch(scheduled.batch, num_tokens, num_seqs), self.weights)
+            if scheduled.takes_sampled_tokens:
+                batch = self._take_sampled_tokens(scheduled, batch)
             executable = self.executables.get(mode, num_tokens, num_seqs)
             out, self.caches = executable(params_for(self.weights, mode), self.caches, batch)
         except Exception as error:
+            self.scheduler.forget(scheduled)
             self._recover_caches()
             raise StepFailed(scheduled.requests) from error
-        return LaunchedStep(scheduled, mode, (num_tokens, num_seqs), out.packed, start)
+        self._last_launched = LaunchedStep(scheduled, mode, (num_tokens, num_seqs), out.packed, start)
+        return self._last_launched
+
+    def _take_sampled_tokens(self, scheduled: ScheduledStep, batch):
+        source = self._last_launched
+        if source is None or source.scheduled.step_id != scheduled.source_step:
+            raise RuntimeError(f"step {scheduled.step_id} takes tokens from step {scheduled.source_step}, "
+                               "which is not the last one launched")
+        token_ids = self.token_fills(batch.token_ids, source.packed, scheduled.token_source, self.weights)
+        return batch.replace(token_ids=token_ids)
 
     def finish_step(self, launched: LaunchedStep) -> StepReport:
         """The second half: waits for the step's result and commits it to its requests."""
@@ -291,9 +333,12 @@ class Engine:
         switched = self._count(mode, scheduled.num_tokens)
         finished = self.scheduler.commit(scheduled, result.tokens, result.logprobs, mode,
                                          result.top_ids, result.top_logprobs)
+        now = time.perf_counter()
+        seconds = now - max(launched.started, self._last_finished)
+        self._last_finished = now
         return StepReport(mode=mode, num_tokens=scheduled.num_tokens, bucket=launched.bucket,
-                          requests=scheduled.requests, sampled=scheduled.samples, finished=finished,
-                          switched=switched, seconds=time.perf_counter() - launched.started)
+                          requests=scheduled.requests, sampled=scheduled.delivered, finished=finished,
+                          switched=switched, seconds=seconds)
 
     def _recover_caches(self) -> None:
         if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.caches)):

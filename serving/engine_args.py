@@ -62,6 +62,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--attention", choices=("reference", "pallas", "auto"), default="auto")
     engine.add_argument("--max-top-logprobs", type=int, default=20,
                         help="alternatives per token a request may ask for (0: none; a narrower step result)")
+    engine.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                        help="wait for each step before scheduling the next (default: the next is "
+                             "scheduled and dispatched while the devices run the current one)")
     pool = parser.add_mutually_exclusive_group()
     pool.add_argument("--num-pages", type=int, default=None,
                       help="KV-cache pages, page 0 (scratch) included")
@@ -113,6 +116,7 @@ def engine_options(args: argparse.Namespace) -> dict:
                 max_queue=args.max_queue, page_size=args.page_size, attention=args.attention,
                 token_buckets=args.token_buckets, seq_buckets=args.seq_buckets, num_pages=args.num_pages,
                 kv_memory_fraction=args.kv_memory_fraction, max_top_logprobs=args.max_top_logprobs,
+                async_scheduling=args.async_scheduling,
                 executable_store=str(Path(args.compilation_cache or default_compilation_cache_dir()).absolute()
                                      / "executables") if args.executable_store else None)
 

@@ -166,13 +166,18 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
 
     if store is not None:
         devices = list(weights.mesh.devices.flat)
-        for key in steps:
-            mode, t, b = key
-            store_keys[key] = step_key(weights, caches, mode=mode, num_tokens=t, num_seqs=b, **options)
+        for mode, t, b in steps:
+            store_keys[(mode, t, b)] = step_key(weights, caches, mode=mode, num_tokens=t, num_seqs=b, **options)
+
+        def load(key):
             began = time.perf_counter()
-            executable = store.load(store_keys[key], devices, report)
-            if executable is not None:
-                ready(key, executable, time.perf_counter() - began)
+            return key, store.load(store_keys[key], devices, report), time.perf_counter() - began
+
+        # Concurrently: a load is file reading and the runtime's module loading, not Python.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(steps), 8) or 1) as pool:
+            for key, executable, elapsed in pool.map(load, steps):
+                if executable is not None:
+                    ready(key, executable, elapsed)
     stored = frozenset(compiled)
     with JaxCompileEvents() as events:
         lowered = _lower_steps(weights, caches, [k for k in steps if k not in compiled], **options)
@@ -287,13 +292,13 @@ class JaxCompileEvents:
 def to_device(batch: StepBatch, weights: ModelWeights) -> StepBatch:
     """The host batch, replicated on the mesh; every process holds the same host batch
     (the scheduler is deterministic), so each places only its own devices' copies."""
-    sharding = batch_sharding(weights)
+    return jax.tree.map(lambda x: place_replicated(x, weights), batch)
 
-    def place(x):
-        x = np.asarray(x)
-        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
-    return jax.tree.map(place, batch)
+def place_replicated(x: np.ndarray, weights: ModelWeights) -> jax.Array:
+    """A host array replicated on the mesh (each process places its own devices' copies)."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, batch_sharding(weights), lambda index: x[index])
 
 
 def time_executables(executables: Executables, weights: ModelWeights, caches: KVCache,

@@ -4,6 +4,12 @@ Each step packs decode tokens of running requests first, then prefill chunks of 
 and waiting requests until the token budget or the sequence limit is reached. A request
 whose next token needs a page when none is free preempts the most recently admitted
 request, which returns to the head of the queue and later recomputes its tokens.
+
+A step may be scheduled before the previous one is committed (asynchronous scheduling:
+the host prepares step N+1 while the devices run N). A request that samples in the
+uncommitted step then decodes its next position with a token the host does not know yet:
+``ScheduledStep.token_source`` names the row of that step's result to take it from, on
+the device. Committing a step that a preemption or an abort overtook changes nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +40,10 @@ class Request:
     # per output token, when params.top_logprobs: ((token id, logprob), ...) most likely first
     output_top_logprobs: list[tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=list)
     pages: list[int] = dataclasses.field(default_factory=list)
-    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_computed: int = 0  # tokens whose K/V are in the cache (committed steps)
+    num_in_flight: int = 0  # tokens of scheduled steps not yet committed
+    num_pending: int = 0  # tokens sampled by uncommitted steps, not yet in output_ids
+    pending_source: tuple[int, int] | None = None  # (step id, row) of the latest such token
     finish_reason: str | None = None
     modes: list[str] = dataclasses.field(default_factory=list)  # mode of every step it ran in
     preemptions: int = 0
@@ -56,6 +65,18 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def num_scheduled(self) -> int:
+        """Tokens whose K/V are in the cache or on their way there: where the next chunk starts."""
+        return self.num_computed + self.num_in_flight
+
+    @property
+    def wants_decode(self) -> bool:
+        """Every token it has (pending ones included) but the last is scheduled, and it may
+        still grow: its next step is one decode token."""
+        return (self.num_scheduled == self.num_tokens + self.num_pending - 1
+                and len(self.output_ids) + self.num_pending < self.params.max_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,12 +102,26 @@ class SchedulerConfig:
 
 @dataclasses.dataclass
 class ScheduledStep:
-    """What one step computes: host arrays (unpadded sizes) and who gets a sampled token."""
+    """What one step computes: host arrays (unpadded sizes) and who gets a sampled token.
+
+    ``token_source[i]`` is -1 where ``batch.token_ids[i]`` is known, else the row of step
+    ``source_step``'s result whose sampled token goes there (that step was scheduled
+    just before this one and is not yet committed)."""
 
     batch: StepBatch
     num_tokens: int
     requests: list[Request]
     samples: list[bool]  # per request: is a token sampled for it this step
+    step_id: int = 0
+    token_source: np.ndarray | None = None  # [num_tokens] int32
+    source_step: int | None = None
+    sizes: list[int] = dataclasses.field(default_factory=list)  # tokens per request
+    preemptions: list[int] = dataclasses.field(default_factory=list)  # per request, when scheduled
+    delivered: list[bool] = dataclasses.field(default_factory=list)  # per request, set by commit
+
+    @property
+    def takes_sampled_tokens(self) -> bool:
+        return self.source_step is not None
 
 
 class Scheduler:
@@ -97,6 +132,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._ids = itertools.count()
         self._chunks: list[tuple[Request, int]] = []
+        self._step_ids = itertools.count()
         self.num_preemptions = 0
 
     def add(self, prompt_ids: list[int], params: SamplingParams, eos_token_ids=()) -> Request:
@@ -137,7 +173,7 @@ class Scheduler:
         self._chunks = chunks  # requests already in this step are never preempted
         # Decodes first (each needs one token), oldest first; preempt the newest on shortage.
         for request in list(self.running):
-            if request not in self.running or request.num_computed < request.num_tokens - 1:
+            if request not in self.running or not request.wants_decode:
                 continue
             if budget == 0:
                 break
@@ -146,17 +182,17 @@ class Scheduler:
             chunks.append((request, 1))
             budget -= 1
         # Then prefill: running requests mid-prompt, then admissions from the queue.
-        candidates = [r for r in self.running if r.num_computed < r.num_tokens - 1]
+        candidates = [r for r in self.running if r.num_scheduled < r.num_tokens - 1]
         for request in candidates:
             if budget == 0:
                 break
-            size = min(request.num_tokens - request.num_computed, budget)
+            size = min(request.num_tokens - request.num_scheduled, budget)
             if self._reserve(request, size):
                 chunks.append((request, size))
                 budget -= size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            size = min(request.num_tokens - request.num_computed, budget)
+            size = min(request.num_tokens - request.num_scheduled, budget)
             if not self._reserve(request, size, preempt=False):
                 break
             self.waiting.popleft()
@@ -169,7 +205,7 @@ class Scheduler:
 
     def _reserve(self, request: Request, new_tokens: int, preempt: bool = True) -> bool:
         """Makes sure the pages for ``new_tokens`` more tokens exist, preempting if allowed."""
-        needed = -(-(request.num_computed + new_tokens) // self.config.page_size) - len(request.pages)
+        needed = -(-(request.num_scheduled + new_tokens) // self.config.page_size) - len(request.pages)
         while needed > 0:
             try:
                 request.pages += self.allocator.allocate(needed)
@@ -182,16 +218,27 @@ class Scheduler:
                 self._preempt(victims[-1])
         return True
 
+    def forget(self, step: ScheduledStep) -> None:
+        """A scheduled step that will never be committed (it failed to launch): its requests
+        that are still running go back to the queue, to recompute from what was committed."""
+        for b, request in enumerate(step.requests):
+            if request in self.running and request.preemptions == step.preemptions[b]:
+                self._preempt(request)
+
     def preempt_all(self) -> None:
         """Returns every running request to the queue to recompute (the caches were lost)."""
         for request in reversed(list(self.running)):
             self._preempt(request)
 
     def _preempt(self, request: Request) -> None:
+        """Back to the queue with nothing cached. Tokens of uncommitted steps are forgotten
+        (their commit sees the preemption count changed); a recompute samples them again,
+        with the same keys (sampling.py), so the request generates what it would have."""
         request.preemptions += 1
         self.num_preemptions += 1
         self._release(request)
-        request.num_computed = 0
+        request.num_computed = request.num_in_flight = request.num_pending = 0
+        request.pending_source = None
         self.waiting.appendleft(request)
 
     def _release(self, request: Request) -> None:
@@ -202,21 +249,31 @@ class Scheduler:
 
     def _build(self, chunks: list[tuple[Request, int]]) -> ScheduledStep:
         page_size = self.config.page_size
+        # A request with pending tokens decodes the latest; the device takes them from one result.
+        sources = {request.pending_source[0] for request, _ in chunks if request.num_pending}
+        if len(sources) > 1:
+            raise RuntimeError(f"a step would take sampled tokens from steps {sorted(sources)}: "
+                               "schedule at most one step ahead of the last commit")
+        step_id = next(self._step_ids)
         num_tokens = sum(size for _, size in chunks)
         batch = empty_batch(num_tokens, len(chunks), self.config.max_pages_per_seq)
+        token_source = np.full(num_tokens, -1, np.int32)
         samples = []
         start = 0
         for b, (request, size) in enumerate(chunks):
-            first = request.num_computed
+            first = request.num_scheduled
             positions = np.arange(first, first + size)
             pages = np.asarray(request.pages, np.int32)
-            batch.token_ids[start:start + size] = request.token_slice(first, size)
+            known = request.token_slice(first, size)
+            batch.token_ids[start:start + len(known)] = known
+            if len(known) < size:  # a decode of the token the uncommitted step samples
+                token_source[start + size - 1] = request.pending_source[1]
             batch.positions[start:start + size] = positions
             batch.slot_mapping[start:start + size] = pages[positions // page_size] * page_size + positions % page_size
             batch.query_start[b + 1] = start + size
             batch.seq_lens[b] = first + size
             batch.page_table[b, :len(pages)] = pages
-            reaches_end = first + size == request.num_tokens
+            reaches_end = first + size == request.num_tokens + request.num_pending
             samples.append(reaches_end)
             if reaches_end:
                 batch.sample_index[b] = start + size - 1
@@ -226,23 +283,37 @@ class Scheduler:
                 batch.seed[b] = request.params.seed
                 batch.min_p[b] = request.params.min_p
                 batch.top_logprobs[b] = request.params.top_logprobs
+                request.num_pending += 1
+                request.pending_source = (step_id, b)
+            request.num_in_flight += size
             start += size
-        return ScheduledStep(batch, num_tokens, [r for r, _ in chunks], samples)
+        return ScheduledStep(batch, num_tokens, [r for r, _ in chunks], samples, step_id=step_id,
+                             token_source=token_source, source_step=next(iter(sources), None),
+                             sizes=[size for _, size in chunks], preemptions=[r.preemptions for r, _ in chunks])
 
     def commit(self, step: ScheduledStep, tokens, logprobs, mode: str, top_ids=None, top_logprobs=None
                ) -> list[Request]:
         """Records a step's results; returns the requests that finished with it.
 
+        Steps are committed in the order they were scheduled. A request that finished
+        (aborted, or its end came in an earlier step) or was preempted since the step was
+        scheduled takes nothing from it; ``step.delivered`` says who took a token.
         ``top_ids``/``top_logprobs`` (``[seqs, K]``, most likely first) give the alternatives
         of the requests that asked for ``top_logprobs``."""
         finished = []
+        step.delivered = [False] * len(step.requests)
         for b, request in enumerate(step.requests):
-            if request.finished:  # aborted while the step ran
+            if request.finished or request.preemptions != step.preemptions[b]:
                 continue
-            request.num_computed = int(step.batch.seq_lens[b])
+            request.num_computed += step.sizes[b]
+            request.num_in_flight -= step.sizes[b]
             request.modes.append(mode)
             if not step.samples[b]:
                 continue
+            request.num_pending -= 1
+            if request.num_pending == 0:
+                request.pending_source = None
+            step.delivered[b] = True
             token = int(tokens[b])
             request.output_ids.append(token)
             request.output_logprobs.append(float(logprobs[b]))

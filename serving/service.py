@@ -201,10 +201,13 @@ class AsyncEngineService:
         executables = self.engine.executables
         self._observe("on_startup", compile_seconds=executables.wall_seconds,
                       executables=len(executables.compiled), cache_hits=executables.cache_hits)
-        pending: StepReport | None = None  # done on the device; its deltas not yet made
+        # With async scheduling, step N+1 is launched before N is finished (the devices run
+        # N+1 while the host commits N and makes its deltas); without, N is finished first.
+        overlap = self.engine.config.async_scheduling
+        in_flight: LaunchedStep | None = None  # launched, its result not yet committed
         while True:
             with self._wake:
-                while not (pending or self._inbox or self._cancels or self._stopping
+                while not (in_flight or self._inbox or self._cancels or self._stopping
                            or self.engine.scheduler.has_work):
                     self._wake.wait(self._seconds_to_next_deadline())
                     if self._expired():
@@ -219,15 +222,18 @@ class AsyncEngineService:
                         self._end(live, FINISH_ABORT, outgoing)
                 else:
                     self._take(inbox, cancels, outgoing)
+                    done = None
+                    if in_flight is not None and not overlap:
+                        done, in_flight = self._finish(in_flight, outgoing), None
                     launched = self._launch(outgoing)
-                    if pending is not None:  # the host's share of step N while the device runs N+1
-                        self._make_deltas(pending, outgoing)
-                        self._send(outgoing)
-                        outgoing = {}
-                    pending = None if launched is None else self._finish(launched, outgoing)
+                    if in_flight is not None:
+                        done = self._finish(in_flight, outgoing)
+                    in_flight = launched
+                    if done is not None:  # the host's share of step N while the devices run N+1
+                        self._make_deltas(done, outgoing)
             except Exception:  # a bug of ours: fail what is in flight, keep serving
                 log.exception("engine loop failed; failing the requests in flight")
-                pending = None
+                in_flight = None
                 for live in list(self._live.values()):
                     self._fail(live, outgoing)
             self._send(outgoing)

@@ -26,6 +26,7 @@ def service_info(engine: Engine, model_name: str, stats: ServiceStats) -> dict:
                  "axes": list(mesh.axis_names), "devices": int(mesh.size),
                  "platform": jax.devices()[0].platform},
         "modes": list(engine.modes),
+        "async_scheduling": config.async_scheduling,
         "buckets": {"tokens": list(executables.ladder.token_buckets),
                     "seqs": list(executables.ladder.seq_buckets)},
         "page_pool": {"num_pages": stats.num_pages, "free_pages": stats.free_pages,

@@ -203,6 +203,35 @@ def test_stop_tokens_end_a_request(engines, tp_outputs):
     assert request.finish_reason == "stop" and request.output_ids == tp_outputs[0][:first + 1]
 
 
+@pytest.mark.parametrize("options", [dict(mode="tp"), dict(mode="alternate", **TIGHT)])
+def test_async_scheduling_changes_no_token(engines, tp_outputs, options):
+    """The pipelined engine (step N+1 dispatched before N's result is read, its decode
+    tokens taken from N's result on the device) generates what the step-at-a-time one
+    does: with sampling, stop tokens that end a request while its next step is already in
+    flight, and (TIGHT) preemption of requests in the uncommitted step."""
+    stop = tp_outputs[2][3]
+    params = [GREEDY, SAMPLED, SamplingParams(max_tokens=10, stop_token_ids=(stop,), logprobs=True, top_logprobs=3)]
+
+    def run(engine):
+        requests = [engine.add_request(p, q) for p, q in zip(PROMPTS, params)]
+        engine.run_until_done(requests)
+        return [(r.output_ids, r.output_logprobs, r.output_top_logprobs, r.finish_reason) for r in requests]
+
+    pipelined = engines(**options)
+    fills = pipelined.token_fills
+    calls = []
+    pipelined.token_fills = lambda *args: calls.append(1) or fills(*args)
+    try:
+        got = run(pipelined)
+    finally:
+        pipelined.token_fills = fills
+    expected = run(engines(async_scheduling=False, **options))
+    assert got == expected
+    assert expected[2][3] == "stop" and len(expected[2][0]) == tp_outputs[2].index(stop) + 1
+    assert len(calls) >= 9, "decode steps did not take their tokens on the device"
+    assert pipelined.scheduler.allocator.num_free == pipelined.num_pages - 1
+
+
 def test_bad_input_is_rejected_and_loses_nothing(engines):
     engine = engines(mode="tp")
     with pytest.raises(ValueError, match="max_model_len"):

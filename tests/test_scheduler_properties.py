@@ -2,6 +2,7 @@
 are never shared or leaked, preemption and chunking never change what a request generates."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,64 +28,114 @@ def workloads(draw):
 
 
 @settings(max_examples=150, deadline=None)
-@given(workloads())
-def test_random_load(workload):
-    run_workload(*workload)
+@given(workloads(), st.booleans())
+def test_random_load(workload, pipelined):
+    run_workload(*workload, pipelined=pipelined)
 
 
-def test_memory_pressure_preempts_and_still_finishes():
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_memory_pressure_preempts_and_still_finishes(pipelined):
     # A small budget chunks the recompute of a preempted request that already has output.
     config = SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=3, max_model_len=64, page_size=4, num_pages=9)
-    assert run_workload(config, [(6, 20), (5, 20), (7, 20)], seed=0) > 0
+    assert run_workload(config, [(6, 20), (5, 20), (7, 20)], seed=0, pipelined=pipelined) > 0
 
 
-def run_workload(config, specs, seed) -> int:
-    """Runs the requests to the end, checking every step; returns how many preemptions."""
+def test_pipelined_steps_take_the_tokens_of_the_step_before():
+    config = SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=2, max_model_len=32, page_size=4, num_pages=9)
+    scheduler = Scheduler(config)
+    request = scheduler.add([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    first = scheduler.schedule()  # the prompt, sampling the first token
+    second = scheduler.schedule()  # its decode, before the first is committed
+    assert second.source_step == first.step_id and second.token_source.tolist() == [0]
+    assert second.batch.positions.tolist() == [3] and request.num_pending == 2
+    scheduler.commit(first, np.array([7]), np.zeros(1), "tp")
+    assert request.output_ids == [7] and request.num_computed == 3 and request.num_in_flight == 1
+    third = scheduler.schedule()  # decodes what the second samples
+    assert third.source_step == second.step_id and third.batch.positions.tolist() == [4]
+    scheduler.abort(request)
+    scheduler.commit(second, np.array([8]), np.zeros(1), "tp")  # an ended request takes nothing
+    assert request.output_ids == [7] and second.delivered == [False]
+
+
+def run_workload(config, specs, seed, pipelined=False) -> int:
+    """Runs the requests to the end on a stand-in device that keeps a real paged cache of
+    token ids, checking every step; returns how many preemptions. ``pipelined``: each step
+    is scheduled and run before the previous one is committed (asynchronous scheduling),
+    its unknown tokens taken from that step's result as the engine's token fill does."""
     rng = np.random.default_rng(seed)
     preemptions = 0
     scheduler = Scheduler(config)
-    requests = []
+    requests, truth = [], {}
     for prompt_len, max_tokens in specs:
         prompt = rng.integers(0, 97, prompt_len).tolist()
-        requests.append(scheduler.add(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+        request = scheduler.add(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        requests.append(request)
+        truth[id(request)] = list(prompt)
+        for _ in range(max_tokens):
+            truth[id(request)].append(fake_token(truth[id(request)]))
+    cache: dict[int, int] = {}  # slot -> the token id whose "K/V" the device wrote there
+    in_flight = None  # (step, sampled tokens): run, not yet committed
     for _ in range(10_000):
-        if not scheduler.has_work:
+        if not scheduler.has_work and in_flight is None:
             break
-        computed = {id(r): r.num_computed for r in requests}
+        scheduled_before = {id(r): r.num_scheduled for r in requests}
+        preempted_before = {id(r): r.preemptions for r in requests}
         step = scheduler.schedule()
-        preemptions += sum(r.num_computed < computed[id(r)] for r in requests)
-        assert step is not None, "work remains but nothing was scheduled"
-        batch = step.batch
-        assert step.num_tokens <= config.max_num_batched_tokens
-        assert len(step.requests) <= config.max_num_seqs
-        owners = {}
-        for request in scheduler.running:
-            for page in request.pages:
-                assert page != 0 and page not in owners, "a page is held twice (or the scratch page is)"
-                owners[page] = request
-        for b, request in enumerate(step.requests):
-            lo, hi = batch.query_start[b], batch.query_start[b + 1]
-            positions = batch.positions[lo:hi]
-            assert positions.tolist() == list(range(request.num_computed, request.num_computed + hi - lo))
-            assert batch.token_ids[lo:hi].tolist() == request.tokens[request.num_computed:request.num_computed + hi - lo]
-            pages = batch.slot_mapping[lo:hi] // config.page_size
-            assert all(owners.get(int(p)) is request for p in pages)
-        tokens = [fake_token(r.tokens[:int(batch.seq_lens[b])]) for b, r in enumerate(step.requests)]
-        scheduler.commit(step, np.asarray(tokens), np.zeros(len(tokens)), "tp")
+        preemptions += sum(r.preemptions - preempted_before[id(r)] for r in requests)
+        assert step is not None or in_flight is not None, "work remains but nothing was scheduled"
+        launched = None
+        if step is not None:
+            check_step(scheduler, config, step, scheduled_before, preempted_before, truth)
+            launched = (step, run_on_stand_in_device(step, in_flight, cache, config.page_size, truth))
+        if not pipelined:
+            in_flight, launched = launched, None
+        if in_flight is not None:
+            done, tokens = in_flight
+            scheduler.commit(done, np.asarray(tokens), np.zeros(len(tokens)), "tp")
+        in_flight = launched
     assert not scheduler.has_work
     assert scheduler.allocator.num_free == config.num_pages - 1
-    for request, (_, max_tokens) in zip(requests, specs):
-        expected = []
-        for _ in range(max_tokens):
-            expected.append(fake_token(request.prompt_ids + expected))
-        assert request.output_ids == expected and request.finish_reason == "length"
+    for request, (prompt_len, max_tokens) in zip(requests, specs):
+        assert request.output_ids == truth[id(request)][prompt_len:] and request.finish_reason == "length"
     return preemptions
 
 
-def test_token_slice_equals_slicing_the_whole_list():
-    from shiftjax.serving.scheduler import Request
+def check_step(scheduler, config, step, scheduled_before, preempted_before, truth) -> None:
+    batch = step.batch
+    assert step.num_tokens <= config.max_num_batched_tokens
+    assert len(step.requests) <= config.max_num_seqs
+    owners = {}
+    for request in scheduler.running:
+        for page in request.pages:
+            assert page != 0 and page not in owners, "a page is held twice (or the scratch page is)"
+            owners[page] = request
+    for b, request in enumerate(step.requests):
+        lo, hi = batch.query_start[b], batch.query_start[b + 1]
+        first = scheduled_before[id(request)] if request.preemptions == preempted_before[id(request)] else 0
+        assert batch.positions[lo:hi].tolist() == list(range(first, first + hi - lo))
+        expected = truth[id(request)][first:first + hi - lo]
+        for token, source, want in zip(batch.token_ids[lo:hi].tolist(), step.token_source[lo:hi].tolist(), expected):
+            assert token == want or source >= 0, "a known token is wrong"
+        pages = batch.slot_mapping[lo:hi] // config.page_size
+        assert all(owners.get(int(p)) is request for p in pages)
 
-    request = Request(0, [1, 2, 3, 4, 5], SamplingParams(), (), output_ids=[6, 7, 8])
-    for first in range(9):
-        for size in range(9 - first):
-            assert request.token_slice(first, size) == request.tokens[first:first + size]
+
+def run_on_stand_in_device(step, previous, cache, page_size, truth) -> list[int]:
+    """Writes the step's tokens into the cache and 'samples' each row from what the cache
+    holds for its sequence, as the real step reads K/V through the page table."""
+    batch = step.batch
+    token_ids = batch.token_ids.copy()
+    taken = step.token_source >= 0
+    if taken.any():
+        assert previous is not None and previous[0].step_id == step.source_step
+        token_ids[taken] = np.asarray(previous[1])[step.token_source[taken]]
+    for slot, token in zip(batch.slot_mapping.tolist(), token_ids.tolist()):
+        cache[slot] = token
+    sampled = []
+    for b, request in enumerate(step.requests):
+        lo, hi = batch.query_start[b], batch.query_start[b + 1]
+        assert token_ids[lo:hi].tolist() == truth[id(request)][batch.positions[lo]:batch.positions[lo] + hi - lo]
+        pages = batch.page_table[b]
+        context = [cache[int(pages[p // page_size]) * page_size + p % page_size] for p in range(batch.seq_lens[b])]
+        sampled.append(fake_token(context))
+    return sampled
