@@ -15,7 +15,9 @@ time shows). Ratios are against ceilings measured in the same run.
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
@@ -26,6 +28,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import model_gpu  # noqa: E402
@@ -36,6 +39,8 @@ from roofline import device_idle, device_time, time_fn  # noqa: E402
 from shiftjax.batch import empty_batch  # noqa: E402
 from shiftjax.cache import CacheConfig, allocate_cache  # noqa: E402
 from shiftjax.layouts.mesh import make_mesh  # noqa: E402
+from shiftjax import sampling as sampling_module  # noqa: E402
+from shiftjax.serving import executables as executables_module  # noqa: E402
 from shiftjax.serving.engine import Engine, EngineConfig  # noqa: E402
 from shiftjax.serving.executables import to_device  # noqa: E402
 from shiftjax.serving.sampling_params import SamplingParams  # noqa: E402
@@ -287,59 +292,134 @@ def collectives(smoke: bool) -> dict:
     return out
 
 
-def engine_loop(smoke: bool, attention: str) -> dict:
+class _LaxWithoutCond:
+    """``jax.lax`` with ``cond`` computing both branches and selecting: a step with no
+    conditional, for the ``select`` engine variant (XLA's GPU conditional copies its
+    predicate to the host and blocks the host until the device has reached it)."""
+
+    def __getattr__(self, name):
+        return getattr(lax, name)
+
+    @staticmethod
+    def cond(pred, true_fn, false_fn):
+        return jax.tree.map(lambda a, b: jnp.where(pred, a, b), true_fn(), false_fn())
+
+
+@contextlib.contextmanager
+def _step_variant(variant: str):
+    if variant == "cond":
+        yield
+        return
+    original = sampling_module.lax
+    sampling_module.lax = _LaxWithoutCond()
+    try:
+        yield
+    finally:
+        sampling_module.lax = original
+
+
+class _HostClock:
+    """Seconds per call of the engine's host phases, collected by wrapping them."""
+
+    def __init__(self):
+        self.seconds: dict[str, list[float]] = collections.defaultdict(list)
+
+    def wrap(self, name, fn):
+        def timed(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name].append(time.perf_counter() - began)
+        return timed
+
+    def medians_ms(self, since: dict[str, int]) -> dict[str, float]:
+        return {name: float(np.median(values[since.get(name, 0):])) * 1e3
+                for name, values in self.seconds.items() if len(values) > since.get(name, 0)}
+
+
+def engine_loop(smoke: bool, attention: str, variants: list[str]) -> dict:
     """Wall time per decode step in the engine's own loop (schedule, pad, place, run,
     fetch, commit), pure TP over both GPUs (a (1, 2) mesh: one mode, so only TP
     executables), at 1, 8 and 64 sequences of 1k context: one step at a time (the host
     waits for each step before it schedules the next) and with async scheduling (step N+1
-    dispatched before N's result is read). A profile of steady-state steps gives the
-    share of the time each GPU sits idle (target 4: < 5%)."""
+    dispatched before N's result is read). Per step, the median host time of each phase
+    (``schedule``, ``pad``, ``place`` on the devices, the token ``fill``, the executable
+    call ``dispatch``, ``fetch`` of the result, ``commit``),
+    and from a profile of steady-state steps the share of the time each GPU sits idle
+    (target 4: < 5%). ``variants``: ``cond`` (the step as shipped) and ``select`` (its
+    sampler's conditionals replaced by computing both branches)."""
     config = big_config(smoke)
     prompt_len, decode_steps, profiled = (40, 12, 3) if smoke else (1000, 40, 12)
     seq_counts = (1, 8) if smoke else (1, 8, 64)
     weights = shard_params(device_random_params(config, jnp.bfloat16), config, make_mesh(1, 2, jax.devices()[:2]))
     max_model_len = prompt_len + decode_steps + 8
     most = max(seq_counts)
-    started = time.perf_counter()
-    engine = Engine(weights, EngineConfig(max_model_len=max_model_len, max_num_seqs=most,
-                                          num_pages=most * -(-max_model_len // PAGE) + 1,
-                                          max_num_batched_tokens=64, token_buckets=(64,),
-                                          seq_buckets=seq_counts, mode="tp", attention=attention,
-                                          layer_loop="unrolled"))
-    out = {"engine_startup_s": time.perf_counter() - started, "startup_phases": engine.startup_seconds,
-           "weight_bytes_per_device": weight_bytes_per_device(weights, weights.mesh)}
+    out = {"weight_bytes_per_device": weight_bytes_per_device(weights, weights.mesh)}
+    for variant in variants:
+        started = time.perf_counter()
+        with _step_variant(variant):
+            engine = Engine(weights, EngineConfig(max_model_len=max_model_len, max_num_seqs=most,
+                                                  num_pages=most * -(-max_model_len // PAGE) + 1,
+                                                  max_num_batched_tokens=64, token_buckets=(64,),
+                                                  seq_buckets=seq_counts, mode="tp", attention=attention,
+                                                  layer_loop="unrolled"))
+        out[f"{variant}:startup"] = {"seconds": time.perf_counter() - started, "phases": engine.startup_seconds}
+        clock = _HostClock()
+        engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
+        engine.scheduler.commit = clock.wrap("commit", engine.scheduler.commit)
+        engine.executables.compiled = {key: clock.wrap("dispatch", fn) for key, fn in engine.executables.compiled.items()}
+        engine.token_fills = clock.wrap("fill", engine.token_fills)
+        originals = {name: getattr(executables_module, name) for name in ("pad_batch", "to_device", "packed_to_host")}
+        for name, label in (("pad_batch", "pad"), ("to_device", "place"), ("packed_to_host", "fetch")):
+            setattr(executables_module, name, clock.wrap(label, originals[name]))
 
-    def one_at_a_time():  # what run_step did before async scheduling
-        launched = engine.launch_step()
-        if launched is not None:
-            engine.finish_step(launched)
+        def one_at_a_time():  # what run_step did before async scheduling
+            launched = engine.launch_step()
+            if launched is not None:
+                engine.finish_step(launched)
 
-    for seqs in seq_counts:
-        for name, step in (("sync", one_at_a_time), ("async", engine.step)):
-            requests = [engine.add_request([(i * 13 + j) % 1000 + 3 for j in range(prompt_len)],
-                                           SamplingParams(max_tokens=decode_steps, ignore_eos=True))
-                        for i in range(seqs)]
-            while any(not r.output_ids for r in requests):
-                step()
-            times = []
-            for _ in range(decode_steps - profiled - 4):
-                begin = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - begin)
-            idle = device_idle(step, profiled)
-            while not all(r.finished for r in requests):
-                step()
-            while engine.run_step() is not None:  # the step async scheduling left in flight
-                pass
-            steady = sorted(times[2:])
-            row = {"wall_ms_median": steady[len(steady) // 2] * 1e3, "steps_timed": len(steady),
-                   "idle": idle}
-            if idle:
-                row["idle_fraction_max"] = max(d["idle_fraction"] for d in idle.values())
-            out[f"{name}:dec{seqs}"] = row
-            idle_text = "" if not idle else f", GPUs idle {100 * row['idle_fraction_max']:.1f}% of the profiled steps"
-            log(f"  engine loop, {name:5s} {seqs:2d} seqs: {row['wall_ms_median']:.2f} ms per decode step{idle_text}")
+        try:
+            for seqs in seq_counts:
+                for loop, step in (("sync", one_at_a_time), ("async", engine.step)):
+                    out[f"{variant}:{loop}:dec{seqs}"] = row = _decode_phase(
+                        engine, step, clock, seqs, prompt_len, decode_steps, profiled)
+                    idle = "" if "idle_fraction_max" not in row else \
+                        f", GPUs idle {100 * row['idle_fraction_max']:.1f}% of the profiled steps"
+                    phases = " ".join(f"{k} {v:.2f}" for k, v in row["host_ms"].items())
+                    log(f"  engine loop, {variant:6s} {loop:5s} {seqs:2d} seqs: {row['wall_ms_median']:.2f} ms "
+                        f"per decode step{idle}; host ms per call: {phases}")
+        finally:
+            for name, fn in originals.items():
+                setattr(executables_module, name, fn)
+        del engine
     return out
+
+
+def _decode_phase(engine, step, clock, seqs, prompt_len, decode_steps, profiled) -> dict:
+    requests = [engine.add_request([(i * 13 + j) % 1000 + 3 for j in range(prompt_len)],
+                                   SamplingParams(max_tokens=decode_steps, ignore_eos=True))
+                for i in range(seqs)]
+    while any(not r.output_ids for r in requests):
+        step()
+    times = []
+    since = {name: len(values) for name, values in clock.seconds.items()}
+    for _ in range(decode_steps - profiled - 4):
+        begin = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - begin)
+    host = clock.medians_ms(since)
+    idle = device_idle(step, profiled)
+    while not all(r.finished for r in requests):
+        step()
+    while engine.run_step() is not None:  # the step async scheduling left in flight
+        pass
+    steady = sorted(times[2:])
+    row = {"wall_ms_median": steady[len(steady) // 2] * 1e3, "steps_timed": len(steady), "host_ms": host,
+           "idle": idle}
+    if idle:
+        row["idle_fraction_max"] = max(d["idle_fraction"] for d in idle.values())
+    return row
 
 
 def summarise(results: dict) -> dict:
@@ -361,9 +441,9 @@ def summarise(results: dict) -> dict:
         s[f"tp_dec{n}_floor_ratio"] = floor_mesh * 1e3 / mesh[f"tp:dec{n}"]["wall_ms"]
         s[f"1gpu_dec{n}_floor_ratio"] = floor_one * 1e3 / one[f"tp:dec{n}"]["wall_ms"]
         for loop in ("sync", "async"):
-            if f"{loop}:dec{n}" in results.get("engine", {}):
-                s[f"engine_{loop}_tp_dec{n}_floor_ratio"] = (
-                    floor_mesh * 1e3 / results["engine"][f"{loop}:dec{n}"]["wall_ms_median"])
+            for key, row in results.get("engine", {}).items():
+                if key.endswith(f"{loop}:dec{n}"):
+                    s[f"engine_{key}_floor_ratio"] = floor_mesh * 1e3 / row["wall_ms_median"]
     s["tp_dec8_vs_1gpu_dec4_speedup"] = one["tp:dec4"]["wall_ms"] / mesh["tp:dec8"]["wall_ms"]
     # Equal work: the mesh prefills two prompts in one step; DP gives each GPU one.
     s["sp_vs_dp_throughput"] = one["tp:pre1x2048"]["wall_ms"] / mesh["sp:pre2x2048"]["wall_ms"]
@@ -379,6 +459,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on 4 virtual CPU devices")
     parser.add_argument("--parts", default=PARTS)
+    parser.add_argument("--engine-variants", default="cond,select",
+                        help="steps the engine part measures: cond (as shipped), select (no conditionals)")
     parser.add_argument("--merge", nargs="*", default=[], metavar="JSON",
                         help="earlier parts' JSON files to summarise together with this run")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -399,7 +481,7 @@ def main() -> int:
                "steps_1gpu": lambda: step_table(args.smoke, attention, profile, "1gpu"),
                "allreduce": lambda: allreduce_variants(args.smoke, attention, profile),
                "collectives": lambda: collectives(args.smoke),
-               "engine": lambda: engine_loop(args.smoke, attention)}
+               "engine": lambda: engine_loop(args.smoke, attention, args.engine_variants.split(","))}
     parts = [p for p in args.parts.split(",") if p]
     if args.smoke and args.parts == PARTS:
         parts = list(runners)  # every code path, the GPU-only variants included
