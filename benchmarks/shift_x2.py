@@ -305,17 +305,36 @@ class _LaxWithoutCond:
         return jax.tree.map(lambda a, b: jnp.where(pred, a, b), true_fn(), false_fn())
 
 
+# XLA's command buffers (CUDA graphs) with conditionals: a conditional whose branches are all
+# commands runs as a graph conditional node, on the device, with no copy of its predicate.
+COMMAND_BUFFER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CONDITIONAL,WHILE",
+                          "xla_gpu_graph_min_graph_size": "1"}
+
+
 @contextlib.contextmanager
 def _step_variant(variant: str):
     if variant == "cond":
         yield
-        return
-    original = sampling_module.lax
-    sampling_module.lax = _LaxWithoutCond()
-    try:
-        yield
-    finally:
-        sampling_module.lax = original
+    elif variant == "select":
+        original = sampling_module.lax
+        sampling_module.lax = _LaxWithoutCond()
+        try:
+            yield
+        finally:
+            sampling_module.lax = original
+    elif variant == "cmdbuf":
+        compile_lowered = jax.stages.Lowered.compile
+
+        def compile_with_options(self, compiler_options=None, **kwargs):
+            return compile_lowered(self, {**COMMAND_BUFFER_OPTIONS, **(compiler_options or {})}, **kwargs)
+
+        jax.stages.Lowered.compile = compile_with_options
+        try:
+            yield
+        finally:
+            jax.stages.Lowered.compile = compile_lowered
+    else:
+        raise ValueError(f"unknown engine variant {variant!r}")
 
 
 class _HostClock:
@@ -460,7 +479,8 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on 4 virtual CPU devices")
     parser.add_argument("--parts", default=PARTS)
     parser.add_argument("--engine-variants", default="cond,select",
-                        help="steps the engine part measures: cond (as shipped), select (no conditionals)")
+                        help="steps the engine part measures: cond (as shipped), select (no conditionals), "
+                             "cmdbuf (as shipped, compiled with command buffers for conditionals)")
     parser.add_argument("--merge", nargs="*", default=[], metavar="JSON",
                         help="earlier parts' JSON files to summarise together with this run")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
