@@ -2,7 +2,7 @@
 # Issue 8 on two H200s in one device call (kind nvidia-h200-x2): ceilings, correctness, the
 # step table and the engine loop (benchmarks/shift_x2.py), each part in its own process
 # so that one failure or timeout keeps the others' numbers.
-#   COMMIT=<sha> bash benchmarks/run_gpu_x2.sh     # JSON + logs under $OUT
+#   COMMIT=<sha> bash benchmarks/run_gpu_x2.sh     # JSON + logs under $OUT; X2_ARGS: more shift_x2.py arguments
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on these shared hosts
@@ -10,6 +10,6 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 nvidia-smi topo -m >> "$OUT/env.txt" 2>&1
 for part in ${PARTS:-ceilings correct steps_mesh steps_1gpu engine}; do
   mkdir -p "$OUT/$part"
-  timeout "${PART_TIMEOUT:-240}" python3 -P benchmarks/shift_x2.py --parts "$part" --out "$OUT/$part" \
+  timeout "${PART_TIMEOUT:-240}" python3 -P benchmarks/shift_x2.py --parts "$part" --out "$OUT/$part" ${X2_ARGS:-} \
     2>&1 | tee "$OUT/$part.log" | grep -v "^WARNING\|^I0000\|^W0000"
 done
