@@ -1,8 +1,10 @@
 """The engine: scheduler, caches and compiled steps, one step at a time.
 
 ``Engine.step()`` schedules a batch, pads it to its bucket, lets the shift policy pick the
-mode, runs that mode's executable with the caches donated, rebinds the caches, and
-commits the one small result array to the requests.
+mode, runs that mode's executable with the caches donated, rebinds the caches, samples
+on the devices (the step packs greedy tokens; ``samplers.py`` runs only for a batch with
+a row that samples or asks for alternatives), and commits the one small result array to
+the requests.
 
 With ``async_scheduling`` (the default) the host schedules and dispatches step N+1 before
 it waits for step N, so the devices never wait for the host's share of a step (scheduling,
@@ -26,6 +28,7 @@ from shiftjax.serving import executables as exe
 from shiftjax.serving import page_pool
 from shiftjax.serving.executable_store import ExecutableStore
 from shiftjax.serving.policy import ShiftPolicy
+from shiftjax.serving.samplers import Samplers, needs_sampler
 from shiftjax.serving.sampling_params import SamplingParams
 from shiftjax.serving.scheduler import Request, ScheduledStep, Scheduler, SchedulerConfig
 from shiftjax.serving.token_fills import TokenFills
@@ -149,8 +152,9 @@ class Engine:
         if layer_loop == "auto":
             layer_loop = "unrolled" if jax.default_backend() == "gpu" else "scan"
         dtype = config.cache_dtype or str(weights.tp.embed.dtype)
+        # The steps pack greedy tokens and return logits; self.samplers samples where a row asks.
         compile_options = dict(max_pages=max_pages, attention=config.attention, layer_loop=layer_loop,
-                               max_top_logprobs=config.max_top_logprobs)
+                               max_top_logprobs=config.max_top_logprobs, sample_in_step=False)
         # Seconds per start-up phase, for the log and ServerInfo: a slow start says where it went.
         self.startup_seconds: dict[str, float] = {}
         with self._phase("kv_cache"):  # sizing the page pool, then the cache and its fill
@@ -198,6 +202,8 @@ class Engine:
             with self._phase("policy_timing"):
                 self.caches = exe.time_executables(self.executables, weights, self.caches, max_pages,
                                                    warm=self.executables.stored_keys)
+        with self._phase("samplers"):
+            self.samplers = Samplers.compile(weights, ladder, config.max_top_logprobs)
         if config.async_scheduling:
             with self._phase("token_fills"):
                 self.token_fills = TokenFills.compile(weights, ladder, config.max_top_logprobs)
@@ -307,11 +313,12 @@ class Engine:
                 batch = self._take_sampled_tokens(scheduled, batch)
             executable = self.executables.get(mode, num_tokens, num_seqs)
             out, self.caches = executable(params_for(self.weights, mode), self.caches, batch)
+            packed = self.samplers(out.logits, batch) if needs_sampler(scheduled.batch) else out.packed
         except Exception as error:
             self.scheduler.forget(scheduled)
             self._recover_caches()
             raise StepFailed(scheduled.requests) from error
-        self._last_launched = LaunchedStep(scheduled, mode, (num_tokens, num_seqs), out.packed, start)
+        self._last_launched = LaunchedStep(scheduled, mode, (num_tokens, num_seqs), packed, start)
         return self._last_launched
 
     def _take_sampled_tokens(self, scheduled: ScheduledStep, batch):

@@ -137,7 +137,7 @@ def compile_workers(platform: str) -> int:
 
 def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, modes, *,
                 max_pages: int, attention: str = "auto", layer_loop: str = "scan",
-                max_top_logprobs: int = 0, progress: Callable[[int, int, float], None] | None = None,
+                max_top_logprobs: int = 0, sample_in_step: bool = True, progress: Callable[[int, int, float], None] | None = None,
                 workers: int | None = None, store: ExecutableStore | None = None,
                 report: Callable[[str], None] | None = None, only: Collection[tuple] | None = None) -> Executables:
     """Every (mode, bucket) step, compiled against the real params and caches: loaded from
@@ -152,7 +152,7 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
     ``/jax/compilation_cache/cache_hits`` event) and those the store supplied."""
     start = time.perf_counter()
     options = dict(max_pages=max_pages, attention=attention, layer_loop=layer_loop,
-                   max_top_logprobs=max_top_logprobs)
+                   max_top_logprobs=max_top_logprobs, sample_in_step=sample_in_step)
     steps = _steps(weights, ladder, modes)
     if only is not None:
         only = set(only)
@@ -220,14 +220,15 @@ def _steps(weights, ladder, modes) -> list[tuple[str, int, int]]:
     return steps
 
 
-def _lower_steps(weights, caches, steps, *, max_pages, attention, layer_loop, max_top_logprobs):
+def _lower_steps(weights, caches, steps, *, max_pages, attention, layer_loop, max_top_logprobs,
+                 sample_in_step=True):
     sharding = batch_sharding(weights)
     made = {}
     lowered = {}
     for mode, t, b in steps:
         if mode not in made:
             made[mode] = make_step(weights, mode, attention=attention, layer_loop=layer_loop,
-                                   max_top_logprobs=max_top_logprobs)
+                                   max_top_logprobs=max_top_logprobs, sample_in_step=sample_in_step)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                                 empty_batch(t, b, max_pages))
         lowered[(mode, t, b)] = made[mode].lower(params_for(weights, mode), caches, abstract)
@@ -235,14 +236,16 @@ def _lower_steps(weights, caches, steps, *, max_pages, attention, layer_loop, ma
 
 
 def temporary_bytes(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, modes, *,
-                    max_pages: int, attention: str, layer_loop: str, max_top_logprobs: int) -> int:
+                    max_pages: int, attention: str, layer_loop: str, max_top_logprobs: int,
+                    sample_in_step: bool = True) -> int:
     """The largest per-device temporary buffer size of the largest bucket's step in any mode,
     from XLA's memory analysis: what the page pool must leave free. ``caches`` may be
     abstract (``ShapeDtypeStruct``) and small; the step updates them in place, so their
     size does not change the temporaries."""
     largest = BucketLadder((ladder.token_buckets[-1],), (ladder.seq_buckets[-1],))
     lowered = _lower_steps(weights, caches, _steps(weights, largest, modes), max_pages=max_pages,
-                           attention=attention, layer_loop=layer_loop, max_top_logprobs=max_top_logprobs)
+                           attention=attention, layer_loop=layer_loop, max_top_logprobs=max_top_logprobs,
+                           sample_in_step=sample_in_step)
     sizes = []
     for step in lowered.values():
         analysis = step.compile().memory_analysis()

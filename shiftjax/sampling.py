@@ -1,5 +1,6 @@
-"""Sampling inside the step: greedy, temperature, top-k, top-p and min-p, one key per
-sequence; and the model's most likely alternatives for ``top_logprobs``."""
+"""Sampling on the device: greedy, temperature, top-k, top-p and min-p, one key per
+sequence; the model's most likely alternatives for ``top_logprobs``; and the packing of
+both into the one small int32 array a step sends to the host."""
 
 from __future__ import annotations
 
@@ -7,6 +8,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
+
+from shiftjax.batch import StepBatch
+
+
+def greedy(logits: Float[Array, "seqs vocab"]) -> tuple[Int[Array, "seqs"], Float[Array, "seqs"]]:
+    """The most likely token of every row and its log-probability."""
+    logits = logits.astype(jnp.float32)
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
 
 def sample(
@@ -18,6 +29,7 @@ def sample(
     step_of_seq: Int[Array, "seqs"],
     *,
     min_p: Float[Array, "seqs"] | None = None,
+    skip_draw_if_greedy: bool = True,
 ) -> tuple[Int[Array, "seqs"], Float[Array, "seqs"]]:
     """Returns the sampled token of every row and its log-probability under the model
     (before temperature and filters, as vLLM reports it).
@@ -25,10 +37,14 @@ def sample(
     ``temperature == 0`` is greedy; ``top_k == 0``, ``top_p == 1`` and ``min_p == 0``
     disable those filters. The key of row ``b`` is ``fold_in(key(seed[b]), step_of_seq[b])``,
     so a sequence's samples are reproducible whatever else shares its batch.
+
+    ``skip_draw_if_greedy``: an all-greedy batch skips the filters (a ``lax.cond``). XLA's
+    GPU conditional copies its predicate to the host and blocks the host until the device
+    reaches it, so code that must not stall the host passes False and draws always.
     """
     logits = logits.astype(jnp.float32)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    most_likely = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if min_p is None:
         min_p = jnp.zeros_like(temperature)
     # The filters sort the vocabulary (0.3 ms a step at 8 sequences, 1.1 ms at 64, 128k
@@ -38,9 +54,12 @@ def sample(
         safe_temperature = jnp.where(temperature > 0, temperature, 1.0)
         filtered = filter_logits(logits / safe_temperature[:, None], top_p, top_k, min_p)
         sampled = _gumbel_max(filtered, seed, step_of_seq)
-        return jnp.where(temperature > 0, sampled, greedy)
+        return jnp.where(temperature > 0, sampled, most_likely)
 
-    tokens = lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)
+    if skip_draw_if_greedy:
+        tokens = lax.cond(jnp.any(temperature > 0), draw, lambda: most_likely)
+    else:
+        tokens = draw()
     chosen_logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     return tokens, chosen_logprob
 
@@ -92,11 +111,14 @@ def top_logprobs(
     logits: Float[Array, "seqs vocab"],
     wanted: Bool[Array, "seqs"],
     count: int,
+    *,
+    skip_if_unwanted: bool = True,
 ) -> tuple[Int[Array, "seqs count"], Float[Array, "seqs count"]]:
     """The ``count`` most likely tokens of every row and their log-probabilities under the
     model, most likely first; zeros when no row of the batch asked (``wanted``), so a step
     without ``top_logprobs`` requests skips the top-k over the vocabulary (a ``lax.cond``:
-    one executable serves both, where a static choice would double the executables)."""
+    one executable serves both, where a static choice would double the executables;
+    ``skip_if_unwanted=False`` computes them always, as :func:`sample` explains)."""
 
     def compute():
         values, ids = lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), count)
@@ -106,4 +128,28 @@ def top_logprobs(
         rows = logits.shape[0]
         return jnp.zeros((rows, count), jnp.int32), jnp.zeros((rows, count), jnp.float32)
 
-    return lax.cond(jnp.any(wanted), compute, skip)
+    return lax.cond(jnp.any(wanted), compute, skip) if skip_if_unwanted else compute()
+
+
+def pack_samples(logits: Float[Array, "seqs vocab"], batch: StepBatch, max_top_logprobs: int, *,
+                 skip_unneeded: bool = True) -> Int[Array, "seqs columns"]:
+    """Samples every row with its sequence's parameters from ``batch`` and packs the result
+    as ``[seqs, 2 + 2 * max_top_logprobs]`` int32: the token, the bit pattern of its
+    float32 log-probability, then the ``max_top_logprobs`` most likely tokens' ids and
+    their log-probability bits. ``skip_unneeded``: see :func:`sample`."""
+    tokens, logprobs = sample(logits, batch.temperature, batch.top_p, batch.top_k, batch.seed, batch.seq_lens,
+                              min_p=batch.min_p, skip_draw_if_greedy=skip_unneeded)
+    columns = [tokens[:, None], lax.bitcast_convert_type(logprobs, jnp.int32)[:, None]]
+    if max_top_logprobs:
+        top_ids, top_values = top_logprobs(logits, batch.top_logprobs > 0, max_top_logprobs,
+                                           skip_if_unwanted=skip_unneeded)
+        columns += [top_ids, lax.bitcast_convert_type(top_values, jnp.int32)]
+    return jnp.concatenate(columns, axis=1)
+
+
+def pack_greedy(logits: Float[Array, "seqs vocab"], max_top_logprobs: int) -> Int[Array, "seqs columns"]:
+    """:func:`pack_samples` of an all-greedy batch that wants no alternatives (their
+    columns zero), with no conditional and no sort."""
+    tokens, logprobs = greedy(logits)
+    zeros = jnp.zeros((logits.shape[0], 2 * max_top_logprobs), jnp.int32)
+    return jnp.concatenate([tokens[:, None], lax.bitcast_convert_type(logprobs, jnp.int32)[:, None], zeros], axis=1)

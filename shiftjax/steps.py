@@ -2,9 +2,10 @@
 
 Both have the contract ``out, caches = step(params, caches, batch)`` with the caches
 donated, both write the same cache arrays with the same PartitionSpec, and both sample
-inside the step so that one small ``[seqs, 2 + 2 * max_top_logprobs]`` int32 array (token,
+on the device so that one small ``[seqs, 2 + 2 * max_top_logprobs]`` int32 array (token,
 float32 log-prob bits, then the alternatives' ids and log-prob bits) is all that goes to
-the host.
+the host. A step made with ``sample_in_step=False`` packs the greedy tokens only and
+returns the logits, for the engine's separate sampler (``serving/samplers.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from shiftjax.model import (
     tp_layer,
 )
 from shiftjax.pytrees import unchecked_init
-from shiftjax.sampling import sample, top_logprobs
+from shiftjax.sampling import pack_greedy, pack_samples
 from shiftjax.weights import ModelWeights, ShardedParams
 
 Mode = Literal["tp", "sp"]
@@ -44,14 +45,14 @@ class StepOutput:
     # [seqs, 2 + 2 * K] int32: sampled token, bit pattern of its float32 log-prob, then the
     # K most likely tokens' ids and their log-prob bits (K = max_top_logprobs, maybe 0)
     packed: jax.Array
-    logits: jax.Array | None = None  # [seqs, vocab] float32, only when asked for (tests)
+    logits: jax.Array | None = None  # [seqs, vocab] float32: with return_logits or sample_in_step=False
 
 
 LAYER_LOOPS = ("scan", "unrolled")
 
 
 def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", layer_loop: str = "scan",
-              return_logits: bool = False, max_top_logprobs: int = 0):
+              return_logits: bool = False, max_top_logprobs: int = 0, sample_in_step: bool = True):
     """The jitted step of ``mode`` for these weights; caches (argument 1) are donated.
 
     ``max_top_logprobs``: how many alternatives per sampled token the step can return
@@ -59,6 +60,14 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", lay
 
     ``layer_loop``: ``"scan"`` (compile time flat in depth) or ``"unrolled"`` (faster on
     GPUs, where the scan copies each layer's weights; see ``model.run_layers``).
+
+    ``sample_in_step=False``: every row gets its most likely token (the alternatives'
+    columns zero) and the logits are returned, so that the engine samples separately, and
+    only in steps where a row asks for it. The in-step sampler skips its sort for
+    all-greedy batches with a ``lax.cond``, and XLA's GPU conditional copies its predicate
+    to the host and blocks the host until the device gets there: the host could not
+    dispatch a step while the one before it runs (a 2x H200 decode step of one sequence
+    took 7.9 ms with it, 4.8 ms without; benchmarks/x2_results.md).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -70,6 +79,7 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", lay
     inv_freq = tuple(rope_inverse_frequencies(config))
     layer_fn = tp_layer if mode == "tp" else sp_layer
 
+    with_logits = return_logits or not sample_in_step
     view = params_for(weights, mode)
     param_leaves, param_tree = jax.tree.flatten(view)
 
@@ -92,14 +102,11 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", lay
             rows = lax.psum(jnp.where(mine[:, None], rows, jnp.zeros((), x.dtype)), SP)
         rows = rms_norm(rows, params.final_norm, config.rms_norm_eps)
         logits = lm_logits(rows, params.embed, params.lm_head, dims)
-        tokens, logprobs = sample(logits, batch.temperature, batch.top_p, batch.top_k,
-                                  batch.seed, batch.seq_lens, min_p=batch.min_p)
-        columns = [tokens[:, None], lax.bitcast_convert_type(logprobs, jnp.int32)[:, None]]
-        if max_top_logprobs:
-            top_ids, top_values = top_logprobs(logits, batch.top_logprobs > 0, max_top_logprobs)
-            columns += [top_ids, lax.bitcast_convert_type(top_values, jnp.int32)]
-        packed = jnp.concatenate(columns, axis=1)
-        outputs = (packed, logits) if return_logits else (packed,)
+        if sample_in_step:
+            packed = pack_samples(logits, batch, max_top_logprobs)
+        else:
+            packed = pack_greedy(logits, max_top_logprobs)
+        outputs = (packed, logits) if with_logits else (packed,)
         return outputs, k_cache, v_cache
 
     # Specs are read off the placed arrays, so they cannot disagree with the data.
@@ -108,7 +115,7 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", lay
     sharded = jax.shard_map(
         local_step, mesh=mesh,
         in_specs=(param_specs, cache, cache, REPLICATED),
-        out_specs=((REPLICATED,) * (2 if return_logits else 1), cache, cache),
+        out_specs=((REPLICATED,) * (2 if with_logits else 1), cache, cache),
         # The outputs are replicated by construction (logits all-gathered over every axis,
         # the sampler reading only replicated inputs); JAX 0.10.2's static check did not
         # infer it. tests/test_parallel.py checks the outputs on every mesh instead.

@@ -232,6 +232,19 @@ def test_async_scheduling_changes_no_token(engines, tp_outputs, options):
     assert pipelined.scheduler.allocator.num_free == pipelined.num_pages - 1
 
 
+def test_the_sampler_runs_only_for_steps_that_sample(engines, tp_outputs, sampled_requests):
+    engine = engines(mode="tp")
+    samplers, calls = engine.samplers, []
+    engine.samplers = lambda *args: calls.append(1) or samplers(*args)
+    try:
+        assert [r.output_ids for r in generate(engine, PROMPTS, GREEDY)] == tp_outputs
+        assert calls == []  # greedy steps take the step's own packing
+        assert [r.output_ids for r in generate(engine, PROMPTS, SAMPLED)] == [r.output_ids for r in sampled_requests]
+        assert calls
+    finally:
+        engine.samplers = samplers
+
+
 def test_bad_input_is_rejected_and_loses_nothing(engines):
     engine = engines(mode="tp")
     with pytest.raises(ValueError, match="max_model_len"):
