@@ -28,7 +28,6 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import model_gpu  # noqa: E402
@@ -39,7 +38,6 @@ from roofline import device_idle, device_time, time_fn  # noqa: E402
 from shiftjax.batch import empty_batch  # noqa: E402
 from shiftjax.cache import CacheConfig, allocate_cache  # noqa: E402
 from shiftjax.layouts.mesh import make_mesh  # noqa: E402
-from shiftjax import sampling as sampling_module  # noqa: E402
 from shiftjax.serving import executables as executables_module  # noqa: E402
 from shiftjax.serving.engine import Engine, EngineConfig  # noqa: E402
 from shiftjax.serving.executables import to_device  # noqa: E402
@@ -292,49 +290,21 @@ def collectives(smoke: bool) -> dict:
     return out
 
 
-class _LaxWithoutCond:
-    """``jax.lax`` with ``cond`` computing both branches and selecting: a step with no
-    conditional, for the ``select`` engine variant (XLA's GPU conditional copies its
-    predicate to the host and blocks the host until the device has reached it)."""
-
-    def __getattr__(self, name):
-        return getattr(lax, name)
-
-    @staticmethod
-    def cond(pred, true_fn, false_fn):
-        return jax.tree.map(lambda a, b: jnp.where(pred, a, b), true_fn(), false_fn())
-
-
-# XLA's command buffers (CUDA graphs) with conditionals: a conditional whose branches are all
-# commands runs as a graph conditional node, on the device, with no copy of its predicate.
-COMMAND_BUFFER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CONDITIONAL,WHILE",
-                          "xla_gpu_graph_min_graph_size": "1"}
-
-
 @contextlib.contextmanager
 def _step_variant(variant: str):
-    if variant == "cond":
+    """``shipped``: the engine as it is. ``in_step_sampler``: its steps made with the
+    in-step sampler of before (whose ``lax.cond`` skips blocked the host on the GPU)."""
+    if variant == "shipped":
         yield
-    elif variant == "select":
-        original = sampling_module.lax
-        sampling_module.lax = _LaxWithoutCond()
-        try:
-            yield
-        finally:
-            sampling_module.lax = original
-    elif variant == "cmdbuf":
-        compile_lowered = jax.stages.Lowered.compile
-
-        def compile_with_options(self, compiler_options=None, **kwargs):
-            return compile_lowered(self, {**COMMAND_BUFFER_OPTIONS, **(compiler_options or {})}, **kwargs)
-
-        jax.stages.Lowered.compile = compile_with_options
-        try:
-            yield
-        finally:
-            jax.stages.Lowered.compile = compile_lowered
-    else:
+        return
+    if variant != "in_step_sampler":
         raise ValueError(f"unknown engine variant {variant!r}")
+    original = executables_module.make_step
+    executables_module.make_step = lambda *args, **kwargs: original(*args, **{**kwargs, "sample_in_step": True})
+    try:
+        yield
+    finally:
+        executables_module.make_step = original
 
 
 class _HostClock:
@@ -366,8 +336,7 @@ def engine_loop(smoke: bool, attention: str, variants: list[str]) -> dict:
     (``schedule``, ``pad``, ``place`` on the devices, the token ``fill``, the executable
     call ``dispatch``, ``fetch`` of the result, ``commit``),
     and from a profile of steady-state steps the share of the time each GPU sits idle
-    (target 4: < 5%). ``variants``: ``cond`` (the step as shipped) and ``select`` (its
-    sampler's conditionals replaced by computing both branches)."""
+    (target 4: < 5%). ``variants``: see ``_step_variant``."""
     config = big_config(smoke)
     prompt_len, decode_steps, profiled = (40, 12, 3) if smoke else (1000, 40, 12)
     seq_counts = (1, 8) if smoke else (1, 8, 64)
@@ -478,9 +447,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on 4 virtual CPU devices")
     parser.add_argument("--parts", default=PARTS)
-    parser.add_argument("--engine-variants", default="cond,select",
-                        help="steps the engine part measures: cond (as shipped), select (no conditionals), "
-                             "cmdbuf (as shipped, compiled with command buffers for conditionals)")
+    parser.add_argument("--engine-variants", default="shipped,in_step_sampler",
+                        help="engines the engine part measures: shipped, in_step_sampler (the steps sample "
+                             "in the step, with the conditionals that blocked the host)")
     parser.add_argument("--merge", nargs="*", default=[], metavar="JSON",
                         help="earlier parts' JSON files to summarise together with this run")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
