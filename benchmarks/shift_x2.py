@@ -40,7 +40,7 @@ from shiftjax.cache import CacheConfig, allocate_cache  # noqa: E402
 from shiftjax.layouts.mesh import make_mesh  # noqa: E402
 from shiftjax.serving import executables as executables_module  # noqa: E402
 from shiftjax.serving.engine import Engine, EngineConfig  # noqa: E402
-from shiftjax.serving.executables import to_device  # noqa: E402
+from shiftjax.serving.executables import place_replicated, to_device  # noqa: E402
 from shiftjax.serving.sampling_params import SamplingParams  # noqa: E402
 from shiftjax.steps import make_step, params_for  # noqa: E402
 from shiftjax.weights import shard_params  # noqa: E402
@@ -290,12 +290,30 @@ def collectives(smoke: bool) -> dict:
     return out
 
 
+# XLA command buffers (CUDA graphs) for every kind of command: fewer launches per step.
+COMMAND_BUFFER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,COLLECTIVES,CUDNN",
+                          "xla_gpu_graph_min_graph_size": "1"}
+
+
 @contextlib.contextmanager
 def _step_variant(variant: str):
     """``shipped``: the engine as it is. ``in_step_sampler``: its steps made with the
-    in-step sampler of before (whose ``lax.cond`` skips blocked the host on the GPU)."""
+    in-step sampler of before (whose ``lax.cond`` skips blocked the host on the GPU).
+    ``cmdbuf``: the shipped steps compiled with ``COMMAND_BUFFER_OPTIONS``."""
     if variant == "shipped":
         yield
+        return
+    if variant == "cmdbuf":
+        compile_lowered = jax.stages.Lowered.compile
+
+        def compile_with_options(self, compiler_options=None, **kwargs):
+            return compile_lowered(self, {**COMMAND_BUFFER_OPTIONS, **(compiler_options or {})}, **kwargs)
+
+        jax.stages.Lowered.compile = compile_with_options
+        try:
+            yield
+        finally:
+            jax.stages.Lowered.compile = compile_lowered
         return
     if variant != "in_step_sampler":
         raise ValueError(f"unknown engine variant {variant!r}")
@@ -343,7 +361,9 @@ def engine_loop(smoke: bool, attention: str, variants: list[str]) -> dict:
     weights = shard_params(device_random_params(config, jnp.bfloat16), config, make_mesh(1, 2, jax.devices()[:2]))
     max_model_len = prompt_len + decode_steps + 8
     most = max(seq_counts)
-    out = {"weight_bytes_per_device": weight_bytes_per_device(weights, weights.mesh)}
+    out = {"weight_bytes_per_device": weight_bytes_per_device(weights, weights.mesh),
+           "placement_ms": _placement(weights, most, max_model_len)}
+    log(f"  placing a {most}-sequence batch: " + ", ".join(f"{k} {v:.3f} ms" for k, v in out["placement_ms"].items()))
     for variant in variants:
         started = time.perf_counter()
         with _step_variant(variant):
@@ -381,6 +401,23 @@ def engine_loop(smoke: bool, attention: str, variants: list[str]) -> dict:
             for name, fn in originals.items():
                 setattr(executables_module, name, fn)
         del engine
+    return out
+
+
+def _placement(weights, seqs: int, max_model_len: int) -> dict[str, float]:
+    """Host time to place a decode batch on the mesh: one batched ``device_put`` (what
+    ``to_device`` does in one process) against an array at a time (``place_replicated``)."""
+    batch = empty_batch(64, seqs, -(-max_model_len // PAGE))
+    ways = {"device_put_batched": lambda: executables_module.to_device(batch, weights),
+            "array_at_a_time": lambda: jax.tree.map(lambda x: place_replicated(x, weights), batch)}
+    out = {}
+    for name, place in ways.items():
+        jax.block_until_ready(place())
+        began = time.perf_counter()
+        for _ in range(50):
+            placed = place()
+        out[name] = (time.perf_counter() - began) / 50 * 1e3
+        jax.block_until_ready(placed)
     return out
 
 
@@ -449,7 +486,8 @@ def main() -> int:
     parser.add_argument("--parts", default=PARTS)
     parser.add_argument("--engine-variants", default="shipped,in_step_sampler",
                         help="engines the engine part measures: shipped, in_step_sampler (the steps sample "
-                             "in the step, with the conditionals that blocked the host)")
+                             "in the step, with the conditionals that blocked the host), cmdbuf (shipped, "
+                             "compiled with command buffers for every command kind)")
     parser.add_argument("--merge", nargs="*", default=[], metavar="JSON",
                         help="earlier parts' JSON files to summarise together with this run")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))

@@ -294,7 +294,11 @@ class JaxCompileEvents:
 
 def to_device(batch: StepBatch, weights: ModelWeights) -> StepBatch:
     """The host batch, replicated on the mesh; every process holds the same host batch
-    (the scheduler is deterministic), so each places only its own devices' copies."""
+    (the scheduler is deterministic), so each places only its own devices' copies. In one
+    process, all arrays go in one ``device_put`` (one batched transfer, where an array at
+    a time costs a transfer per array and device)."""
+    if jax.process_count() == 1:
+        return jax.device_put(batch, batch_sharding(weights))
     return jax.tree.map(lambda x: place_replicated(x, weights), batch)
 
 
