@@ -40,7 +40,7 @@ from shiftjax.cache import CacheConfig, allocate_cache  # noqa: E402
 from shiftjax.layouts.mesh import make_mesh  # noqa: E402
 from shiftjax.serving import executables as executables_module  # noqa: E402
 from shiftjax.serving.engine import Engine, EngineConfig  # noqa: E402
-from shiftjax.serving.executables import place_replicated, to_device  # noqa: E402
+from shiftjax.serving.executables import to_device  # noqa: E402
 from shiftjax.serving.sampling_params import SamplingParams  # noqa: E402
 from shiftjax.steps import make_step, params_for  # noqa: E402
 from shiftjax.weights import shard_params  # noqa: E402
@@ -290,39 +290,27 @@ def collectives(smoke: bool) -> dict:
     return out
 
 
-# XLA command buffers (CUDA graphs) for every kind of command: fewer launches per step.
-COMMAND_BUFFER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,COLLECTIVES,CUDNN",
-                          "xla_gpu_graph_min_graph_size": "1"}
-
-
 @contextlib.contextmanager
 def _step_variant(variant: str):
     """``shipped``: the engine as it is. ``in_step_sampler``: its steps made with the
     in-step sampler of before (whose ``lax.cond`` skips blocked the host on the GPU).
-    ``cmdbuf``: the shipped steps compiled with ``COMMAND_BUFFER_OPTIONS``."""
+    ``no_command_buffers``: its steps compiled without ``GPU_COMPILER_OPTIONS``."""
     if variant == "shipped":
         yield
         return
-    if variant == "cmdbuf":
-        compile_lowered = jax.stages.Lowered.compile
-
-        def compile_with_options(self, compiler_options=None, **kwargs):
-            return compile_lowered(self, {**COMMAND_BUFFER_OPTIONS, **(compiler_options or {})}, **kwargs)
-
-        jax.stages.Lowered.compile = compile_with_options
-        try:
-            yield
-        finally:
-            jax.stages.Lowered.compile = compile_lowered
-        return
-    if variant != "in_step_sampler":
+    if variant == "no_command_buffers":
+        name, replacement = "compiler_options", lambda platform: {}
+    elif variant == "in_step_sampler":
+        make_step = executables_module.make_step
+        name, replacement = "make_step", lambda *args, **kwargs: make_step(*args, **{**kwargs, "sample_in_step": True})
+    else:
         raise ValueError(f"unknown engine variant {variant!r}")
-    original = executables_module.make_step
-    executables_module.make_step = lambda *args, **kwargs: original(*args, **{**kwargs, "sample_in_step": True})
+    original = getattr(executables_module, name)
+    setattr(executables_module, name, replacement)
     try:
         yield
     finally:
-        executables_module.make_step = original
+        setattr(executables_module, name, original)
 
 
 class _HostClock:
@@ -361,9 +349,7 @@ def engine_loop(smoke: bool, attention: str, variants: list[str]) -> dict:
     weights = shard_params(device_random_params(config, jnp.bfloat16), config, make_mesh(1, 2, jax.devices()[:2]))
     max_model_len = prompt_len + decode_steps + 8
     most = max(seq_counts)
-    out = {"weight_bytes_per_device": weight_bytes_per_device(weights, weights.mesh),
-           "placement_ms": _placement(weights, most, max_model_len)}
-    log(f"  placing a {most}-sequence batch: " + ", ".join(f"{k} {v:.3f} ms" for k, v in out["placement_ms"].items()))
+    out = {"weight_bytes_per_device": weight_bytes_per_device(weights, weights.mesh)}
     for variant in variants:
         started = time.perf_counter()
         with _step_variant(variant):
@@ -401,23 +387,11 @@ def engine_loop(smoke: bool, attention: str, variants: list[str]) -> dict:
             for name, fn in originals.items():
                 setattr(executables_module, name, fn)
         del engine
-    return out
-
-
-def _placement(weights, seqs: int, max_model_len: int) -> dict[str, float]:
-    """Host time to place a decode batch on the mesh: one batched ``device_put`` (what
-    ``to_device`` does in one process) against an array at a time (``place_replicated``)."""
-    batch = empty_batch(64, seqs, -(-max_model_len // PAGE))
-    ways = {"device_put_batched": lambda: executables_module.to_device(batch, weights),
-            "array_at_a_time": lambda: jax.tree.map(lambda x: place_replicated(x, weights), batch)}
-    out = {}
-    for name, place in ways.items():
-        jax.block_until_ready(place())
-        began = time.perf_counter()
-        for _ in range(50):
-            placed = place()
-        out[name] = (time.perf_counter() - began) / 50 * 1e3
-        jax.block_until_ready(placed)
+    # greedy decoding: every variant and loop must generate the same tokens
+    outputs = {key: row.pop("output_ids") for key, row in out.items() if isinstance(row, dict) and "output_ids" in row}
+    out["same_tokens_everywhere"] = all(
+        ids == outputs[f"{variants[0]}:sync:dec{key.rsplit(':dec', 1)[1]}"] for key, ids in outputs.items())
+    log(f"  the same greedy tokens in every variant and loop: {out['same_tokens_everywhere']}")
     return out
 
 
@@ -441,7 +415,7 @@ def _decode_phase(engine, step, clock, seqs, prompt_len, decode_steps, profiled)
         pass
     steady = sorted(times[2:])
     row = {"wall_ms_median": steady[len(steady) // 2] * 1e3, "steps_timed": len(steady), "host_ms": host,
-           "idle": idle}
+           "idle": idle, "output_ids": [r.output_ids for r in requests]}
     if idle:
         row["idle_fraction_max"] = max(d["idle_fraction"] for d in idle.values())
     return row
@@ -484,10 +458,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on 4 virtual CPU devices")
     parser.add_argument("--parts", default=PARTS)
-    parser.add_argument("--engine-variants", default="shipped,in_step_sampler",
-                        help="engines the engine part measures: shipped, in_step_sampler (the steps sample "
-                             "in the step, with the conditionals that blocked the host), cmdbuf (shipped, "
-                             "compiled with command buffers for every command kind)")
+    parser.add_argument("--engine-variants", default="shipped,no_command_buffers,in_step_sampler",
+                        help="engines the engine part measures: shipped, no_command_buffers, in_step_sampler "
+                             "(the steps sample in the step, with the conditionals that blocked the host)")
     parser.add_argument("--merge", nargs="*", default=[], metavar="JSON",
                         help="earlier parts' JSON files to summarise together with this run")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
