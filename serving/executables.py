@@ -124,19 +124,6 @@ def batch_sharding(weights: ModelWeights) -> NamedSharding:
     return NamedSharding(weights.mesh, REPLICATED)
 
 
-# XLA command buffers (CUDA graphs) for every kind of command, down to one-command graphs:
-# XLA launches a step as a few graphs instead of ~575 kernels per GPU. On 2x H200 the
-# host's launch of a decode step took 2.1-2.8 ms with them and 3.8-4.7 ms without, and the
-# host is what bounds a step that async scheduling overlaps (benchmarks/x2_results.md).
-GPU_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,COLLECTIVES,CUDNN",
-                        "xla_gpu_graph_min_graph_size": "1"}
-
-
-def compiler_options(platform: str) -> dict[str, str]:
-    """The XLA options every step is compiled with on ``platform``."""
-    return dict(GPU_COMPILER_OPTIONS) if platform == "gpu" else {}
-
-
 def compile_workers(platform: str) -> int:
     """How many executables compile at once. On the CPU, all of them (XLA compiles outside
     the GIL). On a GPU, one. Measured on 2x H200 with the unrolled 32-layer 8B step: 16
@@ -167,7 +154,6 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
     options = dict(max_pages=max_pages, attention=attention, layer_loop=layer_loop,
                    max_top_logprobs=max_top_logprobs, sample_in_step=sample_in_step)
     steps = _steps(weights, ladder, modes)
-    xla_options = compiler_options(weights.mesh.devices.flat[0].platform)
     if only is not None:
         only = set(only)
         steps = [k for k in steps if k in only]
@@ -181,8 +167,7 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
     if store is not None:
         devices = list(weights.mesh.devices.flat)
         for mode, t, b in steps:
-            store_keys[(mode, t, b)] = step_key(weights, caches, mode=mode, num_tokens=t, num_seqs=b,
-                                                compiler_options=xla_options, **options)
+            store_keys[(mode, t, b)] = step_key(weights, caches, mode=mode, num_tokens=t, num_seqs=b, **options)
 
         def load(key):
             began = time.perf_counter()
@@ -200,7 +185,7 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
         def compile_one(key):
             began = time.perf_counter()
             hits_before = events.hits_by_thread[threading.get_ident()]
-            executable = lowered[key].compile(xla_options or None)
+            executable = lowered[key].compile()
             elapsed = time.perf_counter() - began
             # Only an executable XLA just compiled is stored: one that JAX loaded from its
             # persistent cache, serialized again, loads but fails when run on the CPU
@@ -263,7 +248,7 @@ def temporary_bytes(weights: ModelWeights, caches: KVCache, ladder: BucketLadder
                            sample_in_step=sample_in_step)
     sizes = []
     for step in lowered.values():
-        analysis = step.compile(compiler_options(weights.mesh.devices.flat[0].platform) or None).memory_analysis()
+        analysis = step.compile().memory_analysis()
         sizes.append(0 if analysis is None else int(analysis.temp_size_in_bytes))
     return max(sizes)
 
