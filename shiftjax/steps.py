@@ -66,8 +66,8 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", lay
     only in steps where a row asks for it. The in-step sampler skips its sort for
     all-greedy batches with a ``lax.cond``, and XLA's GPU conditional copies its predicate
     to the host and blocks the host until the device gets there: the host could not
-    dispatch a step while the one before it runs (a 2x H200 decode step of one sequence
-    took 7.9 ms with it, 4.8 ms without; benchmarks/x2_results.md).
+    dispatch a step while the one before it runs (2x H200, one sequence, in one run: 10.30
+    ms a decode step with it, 6.55 ms without; benchmarks/x2_results.md).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
