@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,7 +23,7 @@ from shiftjax.serving import grpc_messages as messages
 from shiftjax.serving.errors import InvalidRequest, Overloaded, RequestFailed, Unavailable
 from shiftjax.serving.proto.shiftjax.v1 import inference_pb2 as pb
 from shiftjax.serving.proto.shiftjax.v1 import inference_pb2_grpc as pb_grpc
-from shiftjax.serving.protocol import FINISH_ERROR
+from shiftjax.serving.protocol import FINISH_ABORT, FINISH_ERROR
 
 log = logging.getLogger("shiftjax.serving.grpc")
 
@@ -39,6 +40,8 @@ def status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error) or "the waiting queue is full; retry later"
     if isinstance(error, Unavailable):
         return grpc.StatusCode.UNAVAILABLE, str(error) or "the server is starting or shutting down"
+    if isinstance(error, DeadlineExceeded):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(error)
     return grpc.StatusCode.INTERNAL, f"the request failed inside the server: {error}"
 
 
@@ -73,6 +76,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             async for delta in stream:
                 if delta.finish_reason == FINISH_ERROR:
                     raise RequestFailed(f"request {delta.request_id} failed in the engine")
+                if delta.finish_reason == FINISH_ABORT and _past(generation.deadline):
+                    # the service ended it for the call's deadline, which gRPC's own clock may
+                    # not have reached yet: the client hears DEADLINE_EXCEEDED either way
+                    raise DeadlineExceeded("the request's deadline passed")
                 yield messages.response_from(delta)
         except Exception as error:
             await _abort(context, error)
@@ -120,6 +127,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if self.service is None:  # tokenization needs no engine, but the tokenizer comes with it
             raise Unavailable("the server is starting; retry shortly")
         return self.service.tokenizer
+
+
+class DeadlineExceeded(Exception):
+    """The service ended a request because its deadline passed."""
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
 
 
 async def _abort(context, error: Exception):
