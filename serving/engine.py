@@ -100,7 +100,8 @@ class LaunchedStep:
     scheduled: ScheduledStep
     mode: str
     bucket: tuple[int, int]
-    packed: jax.Array
+    packed: jax.Array  # on every device: the next step's token fill reads it
+    host_copy: jax.Array  # one device's copy, already on its way to the host
     started: float  # time.perf_counter() when it was scheduled
 
 
@@ -314,11 +315,12 @@ class Engine:
             executable = self.executables.get(mode, num_tokens, num_seqs)
             out, self.caches = executable(params_for(self.weights, mode), self.caches, batch)
             packed = self.samplers(out.logits, batch) if needs_sampler(scheduled.batch) else out.packed
+            host_copy = exe.start_host_copy(packed)
         except Exception as error:
             self.scheduler.forget(scheduled)
             self._recover_caches()
             raise StepFailed(scheduled.requests) from error
-        self._last_launched = LaunchedStep(scheduled, mode, (num_tokens, num_seqs), packed, start)
+        self._last_launched = LaunchedStep(scheduled, mode, (num_tokens, num_seqs), packed, host_copy, start)
         return self._last_launched
 
     def _take_sampled_tokens(self, scheduled: ScheduledStep, batch):
@@ -333,7 +335,7 @@ class Engine:
         """The second half: waits for the step's result and commits it to its requests."""
         scheduled, mode = launched.scheduled, launched.mode
         try:
-            result = exe.unpack_host(exe.packed_to_host(launched.packed))
+            result = exe.unpack_host(exe.packed_to_host(launched.host_copy))
         except Exception as error:
             self._recover_caches()
             raise StepFailed(scheduled.requests) from error

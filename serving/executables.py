@@ -333,9 +333,18 @@ def run_on_padding(executables: Executables, key: tuple[str, int, int], weights:
     return caches, (time.perf_counter() - start) / repeats
 
 
-def packed_to_host(packed) -> np.ndarray:
-    """The step's ``[seqs, 2 + 2K]`` int32 result on the host (replicated: any local shard)."""
-    return np.asarray(packed.addressable_shards[0].data)
+def start_host_copy(packed: jax.Array) -> jax.Array:
+    """The copy of a step's ``[seqs, 2 + 2K]`` result that the host reads (replicated: any
+    local shard), its transfer to the host requested now, so it lands when the step ends
+    instead of when the host asks (DESIGN.md's ``copy_to_host_async``)."""
+    shard = packed.addressable_shards[0].data
+    shard.copy_to_host_async()
+    return shard
+
+
+def packed_to_host(host_copy: jax.Array) -> np.ndarray:
+    """The result as a host array (waits for the step): ``host_copy`` from :func:`start_host_copy`."""
+    return np.asarray(host_copy)
 
 
 @dataclasses.dataclass(frozen=True)
