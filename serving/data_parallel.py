@@ -43,8 +43,10 @@ prompt and 48 output tokens per replica):
   consistently.
 
 So one process is right while steps are device-bound: the bound is P x host time per
-step < step time; on an H200 the engine loop's host time was 2.2 ms against a 5.2 ms TP
-decode step (benchmarks/x2_results.md), so a few replicas, not more, before the GIL binds. For a small model with host-bound
+step < step time. On 2x H200 the engine loop's host time per decode step (4-7 ms with the
+executable's launch, which releases the GIL for part of it) is now above the device's
+~4.1 ms (benchmarks/x2_results.md, "Async scheduling"), so even two replicas in threads
+may contend; processes were not measured on the GPUs. For a small model with host-bound
 steps, P processes would serve up to 3x more; a replica here is any ``EngineService``,
 so a proxy to a ``shiftjax serve`` process behind this same router is the way there.
 """

@@ -1,4 +1,4 @@
-"""The engine: scheduler, caches and compiled steps, one step at a time.
+"""The engine: scheduler, caches and compiled steps.
 
 ``Engine.step()`` schedules a batch, pads it to its bucket, lets the shift policy pick the
 mode, runs that mode's executable with the caches donated, rebinds the caches, samples
@@ -7,10 +7,12 @@ a row that samples or asks for alternatives), and commits the one small result a
 the requests.
 
 With ``async_scheduling`` (the default) the host schedules and dispatches step N+1 before
-it waits for step N, so the devices never wait for the host's share of a step (scheduling,
-padding, placing, launching, committing). A request that samples in step N decodes in
-N+1 with a token the host has not seen: a small compiled gather puts it into N+1's
-batch on the device, from N's result (``token_fills.py``).
+it waits for step N, so the host's share of a step (scheduling, padding, placing,
+launching, committing) overlaps the devices' work instead of adding to it; a step then
+costs the larger of the two, and on 2x H200 the host's is the larger
+(benchmarks/x2_results.md). A request that samples in step N decodes in N+1 with a token
+the host has not seen: a small compiled gather puts it into N+1's batch on the device,
+from N's result (``token_fills.py``).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class EngineConfig:
     max_top_logprobs: int = 20  # alternatives a step can return per token (0: none, narrower result)
     # a directory of compiled steps (executable_store.py): a warm start skips tracing and lowering
     executable_store: str | None = None
-    # dispatch step N+1 before waiting for step N (the device is never idle for the host)
+    # dispatch step N+1 before waiting for step N (host work overlaps the devices' work)
     async_scheduling: bool = True
 
     def __post_init__(self):
@@ -316,9 +318,11 @@ class Engine:
             out, self.caches = executable(params_for(self.weights, mode), self.caches, batch)
             packed = self.samplers(out.logits, batch) if needs_sampler(scheduled.batch) else out.packed
             host_copy = exe.start_host_copy(packed)
-        except Exception as error:
+        except BaseException as error:  # an interrupt too: nothing may stay scheduled but unlaunched
             self.scheduler.forget(scheduled)
             self._recover_caches()
+            if not isinstance(error, Exception):
+                raise
             raise StepFailed(scheduled.requests) from error
         self._last_launched = LaunchedStep(scheduled, mode, (num_tokens, num_seqs), packed, host_copy, start)
         return self._last_launched
@@ -337,8 +341,14 @@ class Engine:
         try:
             result = exe.unpack_host(exe.packed_to_host(launched.host_copy))
         except Exception as error:
-            self._recover_caches()
+            # A step that fails on the devices can leave its output caches unusable without
+            # deleting them, and a step launched after it read them: start again from fresh
+            # caches, every running request recomputing what it had cached.
+            self._start_over(new_caches=True)
             raise StepFailed(scheduled.requests) from error
+        except BaseException:  # interrupted while waiting (a notebook's Ctrl-C): recompute
+            self._start_over(new_caches=False)
+            raise
         switched = self._count(mode, scheduled.num_tokens)
         finished = self.scheduler.commit(scheduled, result.tokens, result.logprobs, mode,
                                          result.top_ids, result.top_logprobs)
@@ -348,6 +358,14 @@ class Engine:
         return StepReport(mode=mode, num_tokens=scheduled.num_tokens, bucket=launched.bucket,
                           requests=scheduled.requests, sampled=scheduled.delivered, finished=finished,
                           switched=switched, seconds=seconds)
+
+    def _start_over(self, new_caches: bool) -> None:
+        """Forgets every step in flight: running requests go back to the queue (their
+        commits, when they come, change nothing) and recompute what they had cached."""
+        if new_caches:
+            self.caches = self._allocate_caches()
+        self.scheduler.preempt_all()
+        self._in_flight = self._last_launched = None
 
     def _recover_caches(self) -> None:
         if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.caches)):

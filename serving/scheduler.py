@@ -186,6 +186,8 @@ class Scheduler:
         for request in candidates:
             if budget == 0:
                 break
+            if request not in self.running:  # preempted for an earlier candidate's pages
+                continue
             size = min(request.num_tokens - request.num_scheduled, budget)
             if self._reserve(request, size):
                 chunks.append((request, size))

@@ -8,11 +8,12 @@ turns its results into one :class:`Delta` per request (detokenized, stop strings
 and hands each loop its deltas with one ``call_soon_threadsafe`` per step. The per-request
 ``asyncio.Queue`` needs no bound: the engine adds at most one delta per step per request.
 
-While the device runs step N+1, the engine thread makes step N's deltas (detokenizing,
-stop strings, logprobs, observer hooks) and sends them: a stop string found then ends its
-request after N+1 has been launched, so N+1's token for it is computed and dropped. The
-schedule of N+1 itself still waits for N's tokens; overlapping that too would take vLLM's
-asynchronous scheduling (placeholder tokens, fixed up after the copy).
+With async scheduling (the engine's default) the thread launches step N+1 before it
+waits for step N (N+1's decodes take N's tokens on the device); then, while the devices
+run N+1, it commits N and makes N's deltas (detokenizing, stop strings, logprobs,
+observer hooks) and sends them. A request that ends in N (a stop token, a stop string)
+is in N+1 already: its token there is computed and dropped. Without async scheduling, N
+is finished before N+1 is scheduled, and its deltas are made while N+1 runs.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ from shiftjax.layouts.mesh import make_mesh
 from shiftjax.params import random_params
 from shiftjax.serving import scheduler as scheduler_module
 from shiftjax.serving.allocator import PageAllocator
-from shiftjax.serving.engine import Engine, EngineConfig
+from shiftjax.serving import executables as exe
+from shiftjax.serving.engine import Engine, EngineConfig, StepFailed
 from shiftjax.serving.executables import BucketLadder, NoBucket
 from shiftjax.serving.sampling_params import SamplingParams
 from shiftjax.serving.scheduler import QueueFull, Scheduler, SchedulerConfig
@@ -218,6 +219,7 @@ def test_async_scheduling_changes_no_token(engines, tp_outputs, options):
         return [(r.output_ids, r.output_logprobs, r.output_top_logprobs, r.finish_reason) for r in requests]
 
     pipelined = engines(**options)
+    before = pipelined.scheduler.num_preemptions
     fills = pipelined.token_fills
     calls = []
     pipelined.token_fills = lambda *args: calls.append(1) or fills(*args)
@@ -225,8 +227,11 @@ def test_async_scheduling_changes_no_token(engines, tp_outputs, options):
         got = run(pipelined)
     finally:
         pipelined.token_fills = fills
+    preempted = pipelined.scheduler.num_preemptions - before
     expected = run(engines(async_scheduling=False, **options))
     assert got == expected
+    if "num_pages" in options:  # TIGHT: requests of the uncommitted step were preempted
+        assert preempted > 0
     assert expected[2][3] == "stop" and len(expected[2][0]) == tp_outputs[2].index(stop) + 1
     assert len(calls) >= 9, "decode steps did not take their tokens on the device"
     assert pipelined.scheduler.allocator.num_free == pipelined.num_pages - 1
@@ -243,6 +248,31 @@ def test_the_sampler_runs_only_for_steps_that_sample(engines, tp_outputs, sample
         assert calls
     finally:
         engine.samplers = samplers
+
+
+def test_a_step_that_fails_on_the_devices_is_recomputed_not_lost(engines, tp_outputs, monkeypatch):
+    """A device error surfaces when a step's result is read, with the next step already
+    launched on its caches: the engine starts again from fresh caches and every request
+    recomputes, generating what it would have."""
+    engine = engines(mode="tp")
+    requests = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    for _ in range(3):
+        engine.run_step()
+    fetch, failures = exe.packed_to_host, []
+
+    def fails_once(host_copy):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("injected device error")
+        return fetch(host_copy)
+
+    monkeypatch.setattr(exe, "packed_to_host", fails_once)
+    with pytest.raises(StepFailed):
+        engine.run_step()
+    engine.run_until_done(requests)
+    assert [r.output_ids for r in requests] == tp_outputs
+    assert all(r.preemptions >= 1 for r in requests)
+    assert engine.scheduler.allocator.num_free == engine.num_pages - 1
 
 
 def test_bad_input_is_rejected_and_loses_nothing(engines):

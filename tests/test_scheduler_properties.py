@@ -18,8 +18,9 @@ def fake_token(tokens: list[int]) -> int:
 @st.composite
 def workloads(draw):
     page_size = draw(st.sampled_from([4, 8, 16]))
-    requests = draw(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 24)), min_size=1, max_size=8))
-    longest = max(p + m for p, m in requests)
+    requests = draw(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 24), st.integers(-1, 23)),
+                             min_size=1, max_size=8))
+    longest = max(p + m for p, m, _ in requests)
     min_pages = -(-longest // page_size) + 1
     num_pages = draw(st.integers(min_pages, min_pages + 3 * len(requests) * 4))
     config = SchedulerConfig(max_num_batched_tokens=draw(st.integers(1, 32)), max_num_seqs=draw(st.integers(1, 4)),
@@ -37,7 +38,7 @@ def test_random_load(workload, pipelined):
 def test_memory_pressure_preempts_and_still_finishes(pipelined):
     # A small budget chunks the recompute of a preempted request that already has output.
     config = SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=3, max_model_len=64, page_size=4, num_pages=9)
-    assert run_workload(config, [(6, 20), (5, 20), (7, 20)], seed=0, pipelined=pipelined) > 0
+    assert run_workload(config, [(6, 20, -1), (5, 20, -1), (7, 20, -1)], seed=0, pipelined=pipelined) > 0
 
 
 def test_pipelined_steps_take_the_tokens_of_the_step_before():
@@ -65,14 +66,22 @@ def run_workload(config, specs, seed, pipelined=False) -> int:
     rng = np.random.default_rng(seed)
     preemptions = 0
     scheduler = Scheduler(config)
-    requests, truth = [], {}
-    for prompt_len, max_tokens in specs:
+    requests, truth, expected = [], {}, []
+    for prompt_len, max_tokens, stop_at in specs:
         prompt = rng.integers(0, 97, prompt_len).tolist()
-        request = scheduler.add(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-        requests.append(request)
-        truth[id(request)] = list(prompt)
+        tokens = list(prompt)
         for _ in range(max_tokens):
-            truth[id(request)].append(fake_token(truth[id(request)]))
+            tokens.append(fake_token(tokens))
+        outputs = tokens[prompt_len:]
+        # stop_at >= 0: the output token there is a stop token, so the request ends at its
+        # first occurrence, maybe while its next step is already in flight
+        stop = (outputs[stop_at],) if 0 <= stop_at < max_tokens else ()
+        if stop:
+            outputs = outputs[:outputs.index(stop[0]) + 1]
+        expected.append((outputs, "stop" if stop else "length"))
+        request = scheduler.add(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop_token_ids=stop))
+        requests.append(request)
+        truth[id(request)] = tokens
     cache: dict[int, int] = {}  # slot -> the token id whose "K/V" the device wrote there
     in_flight = None  # (step, sampled tokens): run, not yet committed
     for _ in range(10_000):
@@ -95,8 +104,8 @@ def run_workload(config, specs, seed, pipelined=False) -> int:
         in_flight = launched
     assert not scheduler.has_work
     assert scheduler.allocator.num_free == config.num_pages - 1
-    for request, (prompt_len, max_tokens) in zip(requests, specs):
-        assert request.output_ids == truth[id(request)][prompt_len:] and request.finish_reason == "length"
+    for request, (outputs, reason) in zip(requests, expected):
+        assert request.output_ids == outputs and request.finish_reason == reason
     return preemptions
 
 
@@ -104,6 +113,7 @@ def check_step(scheduler, config, step, scheduled_before, preempted_before, trut
     batch = step.batch
     assert step.num_tokens <= config.max_num_batched_tokens
     assert len(step.requests) <= config.max_num_seqs
+    assert all(r in scheduler.running for r in step.requests), "a scheduled request is not running"
     owners = {}
     for request in scheduler.running:
         for page in request.pages:
@@ -139,3 +149,12 @@ def run_on_stand_in_device(step, previous, cache, page_size, truth) -> list[int]
         context = [cache[int(pages[p // page_size]) * page_size + p % page_size] for p in range(batch.seq_lens[b])]
         sampled.append(fake_token(context))
     return sampled
+
+
+def test_token_slice_equals_slicing_the_whole_list():
+    from shiftjax.serving.scheduler import Request
+
+    request = Request(0, [1, 2, 3, 4, 5], SamplingParams(), (), output_ids=[6, 7, 8])
+    for first in range(10):
+        for size in range(10 - first):  # past the known tokens too: a decode of a pending one
+            assert request.token_slice(first, size) == request.tokens[first:first + size]
