@@ -16,8 +16,12 @@ arrival goes to the replica :func:`~shiftjax.serving.data_parallel.pick_replica`
 its queued tokens (prompt tokens until the first output token, plus output tokens still
 owed), as ``shiftjax serve --dp`` routes.
 
-What it leaves out: host time between steps (``host_seconds_per_step`` adds a constant),
-sampling output (tokens are 0 and ``ignore_eos`` holds), network and detokenizing. A
+What it leaves out: host time between steps (``host_seconds_per_step`` adds a constant,
+in series, as ``--no-async-scheduling`` runs), sampling output (tokens are 0 and
+``ignore_eos`` holds), network and detokenizing. It commits each step before it schedules
+the next, as the engine does without async scheduling; with it (the default), a request
+that ends in step N keeps its pages and its sequence slot until N+1, which is already
+scheduled, so admissions under page pressure can come one step later than here. A
 request refused with a full admission queue is a failed record, as the bench counts it.
 """
 
