@@ -2,6 +2,8 @@
 tokens, returns its logits and holds no conditional (on a GPU one blocks the host); the
 separate sampler gives, from those logits, exactly what the in-step sampler gives."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from shiftjax.cache import CacheConfig, allocate_cache
 from shiftjax.config import ModelConfig
 from shiftjax.layouts.mesh import make_mesh
 from shiftjax.params import random_params
+from shiftjax.sampling import pack_samples
 from shiftjax.serving.executables import BucketLadder, to_device
 from shiftjax.serving.samplers import Samplers, needs_sampler
 from shiftjax.steps import make_step, params_for
@@ -88,3 +91,13 @@ def test_an_all_greedy_batch_needs_no_sampler():
     batch.temperature[:] = 0
     batch.top_logprobs[:] = 0
     assert not needs_sampler(batch)
+
+
+def test_the_sampler_has_no_conditional(weights):
+    samplers = Samplers.compile(weights, BucketLadder((16,), (4,)), TOP)
+    assert "conditional(" not in samplers.compiled[4].as_text()
+    # the check can fail: the same sampler with its skips compiles to conditionals
+    skipping = jax.jit(functools.partial(pack_samples, max_top_logprobs=TOP, skip_unneeded=True))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), empty_batch(1, 4, 1))
+    logits = jax.ShapeDtypeStruct((4, CONFIG.vocab_size), np.float32)
+    assert "conditional(" in skipping.lower(logits, abstract).compile().as_text()
