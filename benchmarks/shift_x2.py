@@ -386,8 +386,10 @@ def engine_loop(smoke: bool, attention: str, variants: list[str]) -> dict:
                 engine.finish_step(launched)
 
         try:
-            for seqs in seq_counts:
-                for loop, step in (("sync", one_at_a_time), ("async", engine.step)):
+            for i, seqs in enumerate(seq_counts):
+                # sync first, then async first: an order effect cannot favour one loop throughout
+                loops = [("sync", one_at_a_time), ("async", engine.step)]
+                for loop, step in loops if i % 2 == 0 else loops[::-1]:
                     out[f"{variant}:{loop}:dec{seqs}"] = row = _decode_phase(
                         engine, step, clock, seqs, prompt_len, decode_steps, profiled)
                     idle = "" if "idle_fraction_max" not in row else \

@@ -391,5 +391,6 @@ class Engine:
         while not all(r.finished for r in requests):
             if not self.scheduler.has_work:
                 raise RuntimeError("requests are unfinished but the scheduler holds none")
-            self.step()
+            if self.run_step() is None:
+                raise RuntimeError("requests are unfinished but no step can be scheduled")
 

@@ -106,7 +106,9 @@ class LLM:
             if not self.engine.scheduler.has_work:
                 raise RuntimeError("requests are unfinished but the scheduler holds none")
             report = self.engine.run_step()
-            for request, sampled in zip(report.requests if report else (), report.sampled if report else ()):
+            if report is None:  # nothing in flight and nothing fits: it would never finish
+                raise RuntimeError("requests are unfinished but no step can be scheduled")
+            for request, sampled in zip(report.requests, report.sampled):
                 if not sampled or request not in watched:
                     continue
                 detokenizer, pieces = watched[request]

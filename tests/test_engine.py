@@ -250,10 +250,13 @@ def test_the_sampler_runs_only_for_steps_that_sample(engines, tp_outputs, sample
         engine.samplers = samplers
 
 
-def test_a_step_that_fails_on_the_devices_is_recomputed_not_lost(engines, tp_outputs, monkeypatch):
+@pytest.mark.parametrize("error, raised", [(RuntimeError("injected device error"), StepFailed),
+                                          (KeyboardInterrupt(), KeyboardInterrupt)])
+def test_a_step_that_fails_on_the_devices_is_recomputed_not_lost(engines, tp_outputs, monkeypatch, error, raised):
     """A device error surfaces when a step's result is read, with the next step already
     launched on its caches: the engine starts again from fresh caches and every request
-    recomputes, generating what it would have."""
+    recomputes, generating what it would have. An interrupt while waiting (a notebook's
+    Ctrl-C) leaves the engine as usable."""
     engine = engines(mode="tp")
     requests = [engine.add_request(p, GREEDY) for p in PROMPTS]
     for _ in range(3):
@@ -263,11 +266,11 @@ def test_a_step_that_fails_on_the_devices_is_recomputed_not_lost(engines, tp_out
     def fails_once(host_copy):
         if not failures:
             failures.append(1)
-            raise RuntimeError("injected device error")
+            raise error
         return fetch(host_copy)
 
     monkeypatch.setattr(exe, "packed_to_host", fails_once)
-    with pytest.raises(StepFailed):
+    with pytest.raises(raised):
         engine.run_step()
     engine.run_until_done(requests)
     assert [r.output_ids for r in requests] == tp_outputs
