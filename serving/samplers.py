@@ -16,7 +16,7 @@ import numpy as np
 
 from shiftjax.batch import StepBatch, empty_batch
 from shiftjax.sampling import pack_samples
-from shiftjax.serving.executables import BucketLadder, batch_sharding, place_replicated
+from shiftjax.serving.executables import BucketLadder, batch_sharding, to_device
 from shiftjax.weights import ModelWeights
 
 
@@ -39,7 +39,7 @@ class Samplers:
         compiled, rows = {}, {}
         for seqs in ladder.seq_buckets:
             # The sampler reads only the per-sequence fields: one token stands for every token bucket.
-            rows[seqs] = jax.tree.map(lambda x: place_replicated(x, weights), empty_batch(1, seqs, 1))
+            rows[seqs] = to_device(empty_batch(1, seqs, 1), weights)
             logits = jax.ShapeDtypeStruct((seqs, weights.config.vocab_size), np.float32, sharding=sharding)
             compiled[seqs] = sample.lower(logits, rows[seqs]).compile()
         return cls(compiled, rows)

@@ -115,7 +115,6 @@ class ScheduledStep:
     step_id: int = 0
     token_source: np.ndarray | None = None  # [num_tokens] int32
     source_step: int | None = None
-    sizes: list[int] = dataclasses.field(default_factory=list)  # tokens per request
     preemptions: list[int] = dataclasses.field(default_factory=list)  # per request, when scheduled
     delivered: list[bool] = dataclasses.field(default_factory=list)  # per request, set by commit
 
@@ -291,7 +290,7 @@ class Scheduler:
             start += size
         return ScheduledStep(batch, num_tokens, [r for r, _ in chunks], samples, step_id=step_id,
                              token_source=token_source, source_step=next(iter(sources), None),
-                             sizes=[size for _, size in chunks], preemptions=[r.preemptions for r, _ in chunks])
+                             preemptions=[r.preemptions for r, _ in chunks])
 
     def commit(self, step: ScheduledStep, tokens, logprobs, mode: str, top_ids=None, top_logprobs=None
                ) -> list[Request]:
@@ -307,8 +306,9 @@ class Scheduler:
         for b, request in enumerate(step.requests):
             if request.finished or request.preemptions != step.preemptions[b]:
                 continue
-            request.num_computed += step.sizes[b]
-            request.num_in_flight -= step.sizes[b]
+            size = int(step.batch.query_start[b + 1] - step.batch.query_start[b])
+            request.num_computed += size
+            request.num_in_flight -= size
             request.modes.append(mode)
             if not step.samples[b]:
                 continue
