@@ -19,6 +19,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -345,23 +346,30 @@ class _HostClock:
                 for name, values in self.seconds.items() if len(values) > since.get(name, 0)}
 
 
-def engine_loop(smoke: bool, attention: str, variants: list[str]) -> dict:
+def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 2) -> dict:
     """Wall time per decode step in the engine's own loop (schedule, pad, place, run,
     fetch, commit), pure TP over both GPUs (a (1, 2) mesh: one mode, so only TP
     executables), at 1, 8 and 64 sequences of 1k context: one step at a time (the host
     waits for each step before it schedules the next) and with async scheduling (step N+1
     dispatched before N's result is read). Per step, the median host time of each phase
-    (``schedule``, ``pad``, ``place`` on the devices, the token ``fill``, the executable
-    call ``dispatch``, ``fetch`` of the result, ``commit``),
-    and from a profile of steady-state steps the share of the time each GPU sits idle
-    (target 4: < 5%). ``variants``: see ``_step_variant``."""
+    (``schedule``, ``pad``, ``place`` on the devices, the executable call ``dispatch``,
+    ``fetch`` of the result, ``commit``), and from a profile of steady-state steps (first
+    round only) the share of the time each GPU sits idle (target 4: < 5%).
+
+    ``variants`` (see ``_step_variant``) are all built first, then measured interleaved:
+    per sequence count, every (variant, loop) once in order and once in reverse, ``rounds``
+    times in all, so that neither drift nor going first favours one (earlier runs, which
+    measured one variant after another, saw the first one launch slower)."""
     config = big_config(smoke)
     prompt_len, decode_steps, profiled = (40, 12, 3) if smoke else (1000, 40, 12)
     seq_counts = (1, 8) if smoke else (1, 8, 64)
     weights = shard_params(device_random_params(config, jnp.bfloat16), config, make_mesh(1, 2, jax.devices()[:2]))
     max_model_len = prompt_len + decode_steps + 8
     most = max(seq_counts)
-    out = {"weight_bytes_per_device": weight_bytes_per_device(weights, weights.mesh)}
+    out = {"weight_bytes_per_device": weight_bytes_per_device(weights, weights.mesh), "rounds": rounds}
+    # one clock for every engine: the phases run one after another, each reading its own entries
+    clock = _HostClock()
+    engines = {}
     for variant in variants:
         started = time.perf_counter()
         with _step_variant(variant):
@@ -371,41 +379,49 @@ def engine_loop(smoke: bool, attention: str, variants: list[str]) -> dict:
                                                   seq_buckets=seq_counts, mode="tp", attention=attention,
                                                   layer_loop="unrolled"))
         out[f"{variant}:startup"] = {"seconds": time.perf_counter() - started, "phases": engine.startup_seconds}
-        clock = _HostClock()
         engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
         engine.scheduler.commit = clock.wrap("commit", engine.scheduler.commit)
         engine.executables.compiled = {key: clock.wrap("dispatch", fn) for key, fn in engine.executables.compiled.items()}
-        engine.token_fills = clock.wrap("fill", engine.token_fills)
-        originals = {name: getattr(executables_module, name) for name in ("pad_batch", "to_device", "packed_to_host")}
-        for name, label in (("pad_batch", "pad"), ("to_device", "place"), ("packed_to_host", "fetch")):
-            setattr(executables_module, name, clock.wrap(label, originals[name]))
+        engines[variant] = engine
+    originals = {name: getattr(executables_module, name) for name in ("pad_batch", "place_upload", "packed_to_host")}
+    for name, label in (("pad_batch", "pad"), ("place_upload", "place"), ("packed_to_host", "fetch")):
+        setattr(executables_module, name, clock.wrap(label, originals[name]))
 
-        def one_at_a_time():  # what run_step did before async scheduling
-            launched = engine.launch_step()
-            if launched is not None:
-                engine.finish_step(launched)
+    def one_at_a_time(engine):  # what run_step did before async scheduling
+        launched = engine.launch_step()
+        if launched is not None:
+            engine.finish_step(launched)
 
-        try:
-            for i, seqs in enumerate(seq_counts):
-                # sync first, then async first: an order effect cannot favour one loop throughout
-                loops = [("sync", one_at_a_time), ("async", engine.step)]
-                for loop, step in loops if i % 2 == 0 else loops[::-1]:
-                    out[f"{variant}:{loop}:dec{seqs}"] = row = _decode_phase(
-                        engine, step, clock, seqs, prompt_len, decode_steps, profiled)
+    outputs = {}
+    try:
+        for seqs in seq_counts:
+            order = [(v, loop) for v in variants for loop in ("sync", "async")]
+            measured = collections.defaultdict(list)
+            for r in range(rounds):
+                for variant, loop in order if r % 2 == 0 else order[::-1]:
+                    engine = engines[variant]
+                    step = engine.step if loop == "async" else functools.partial(one_at_a_time, engine)
+                    row = _decode_phase(engine, step, clock, seqs, prompt_len, decode_steps,
+                                        profiled if r == 0 else 0)
+                    outputs[f"{variant}:{loop}:dec{seqs}:r{r}"] = row.pop("output_ids")
+                    measured[(variant, loop)].append(row)
                     idle = "" if "idle_fraction_max" not in row else \
                         f", GPUs idle {100 * row['idle_fraction_max']:.1f}% of the profiled steps"
                     phases = " ".join(f"{k} {v:.2f}" for k, v in row["host_ms"].items())
-                    log(f"  engine loop, {variant:6s} {loop:5s} {seqs:2d} seqs: {row['wall_ms_median']:.2f} ms "
-                        f"per decode step{idle}; host ms per call: {phases}")
-        finally:
-            for name, fn in originals.items():
-                setattr(executables_module, name, fn)
-        del engine
-    # greedy decoding: every variant and loop must generate the same tokens
-    outputs = {key: row.pop("output_ids") for key, row in out.items() if isinstance(row, dict) and "output_ids" in row}
+                    log(f"  engine loop, round {r}, {variant:6s} {loop:5s} {seqs:2d} seqs: "
+                        f"{row['wall_ms_median']:.2f} ms per decode step{idle}; host ms per call: {phases}")
+            for (variant, loop), rows in measured.items():
+                first = rows[0]
+                first["rounds_ms"] = [row["wall_ms_median"] for row in rows]
+                first["wall_ms_median"] = float(np.mean(first["rounds_ms"]))  # the mean of the rounds' medians
+                out[f"{variant}:{loop}:dec{seqs}"] = first
+    finally:
+        for name, fn in originals.items():
+            setattr(executables_module, name, fn)
+    # greedy decoding: every variant, loop and round must generate the same tokens
     out["same_tokens_everywhere"] = all(
-        ids == outputs[f"{variants[0]}:sync:dec{key.rsplit(':dec', 1)[1]}"] for key, ids in outputs.items())
-    log(f"  the same greedy tokens in every variant and loop: {out['same_tokens_everywhere']}")
+        ids == outputs[f"{variants[0]}:sync:dec{key.split(':dec')[1].split(':')[0]}:r0"] for key, ids in outputs.items())
+    log(f"  the same greedy tokens in every variant, loop and round: {out['same_tokens_everywhere']}")
     return out
 
 
@@ -422,7 +438,7 @@ def _decode_phase(engine, step, clock, seqs, prompt_len, decode_steps, profiled)
         step()
         times.append(time.perf_counter() - begin)
     host = clock.medians_ms(since)
-    idle = device_idle(step, profiled)
+    idle = device_idle(step, profiled) if profiled else {}
     while not all(r.finished for r in requests):
         step()
     while engine.run_step() is not None:  # the step async scheduling left in flight
@@ -476,6 +492,8 @@ def main() -> int:
                         help="engines the engine part measures: shipped, command_buffers (compiled with "
                              "COMMAND_BUFFER_OPTIONS), in_step_sampler (the steps sample in the step, with "
                              "the conditionals that blocked the host)")
+    parser.add_argument("--engine-rounds", type=int, default=2,
+                        help="times the engine part measures every (variant, loop), in alternating order")
     parser.add_argument("--merge", nargs="*", default=[], metavar="JSON",
                         help="earlier parts' JSON files to summarise together with this run")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -496,7 +514,8 @@ def main() -> int:
                "steps_1gpu": lambda: step_table(args.smoke, attention, profile, "1gpu"),
                "allreduce": lambda: allreduce_variants(args.smoke, attention, profile),
                "collectives": lambda: collectives(args.smoke),
-               "engine": lambda: engine_loop(args.smoke, attention, args.engine_variants.split(","))}
+               "engine": lambda: engine_loop(args.smoke, attention, args.engine_variants.split(","),
+                                             args.engine_rounds)}
     parts = [p for p in args.parts.split(",") if p]
     if args.smoke and args.parts == PARTS:
         parts = list(runners)  # every code path, the GPU-only variants included

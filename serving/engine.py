@@ -1,18 +1,18 @@
 """The engine: scheduler, caches and compiled steps.
 
-``Engine.step()`` schedules a batch, pads it to its bucket, lets the shift policy pick the
-mode, runs that mode's executable with the caches donated, rebinds the caches, samples
-on the devices (the step packs greedy tokens; ``samplers.py`` runs only for a batch with
-a row that samples or asks for alternatives), and commits the one small result array to
-the requests.
+``Engine.step()`` schedules a batch, pads it to its bucket, places it as two arrays
+(``batch_upload.py``), lets the shift policy pick the mode, runs that mode's executable
+with the caches donated, rebinds the caches, samples on the devices (the step packs greedy
+tokens; ``samplers.py`` runs only for a batch with a row that samples or asks for
+alternatives), and commits the one small result array to the requests.
 
 With ``async_scheduling`` (the default) the host schedules and dispatches step N+1 before
 it waits for step N, so the host's share of a step (scheduling, padding, placing,
 launching, committing) overlaps the devices' work instead of adding to it; a step then
 costs the larger of the two, and on 2x H200 the host's is the larger
 (benchmarks/x2_results.md). A request that samples in step N decodes in N+1 with a token
-the host has not seen: a small compiled gather puts it into N+1's batch on the device,
-from N's result (``token_fills.py``).
+the host has not seen: N+1's executable takes it from N's result on the devices before
+it runs the model (``token_fills.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from shiftjax.serving.policy import ShiftPolicy
 from shiftjax.serving.samplers import Samplers, needs_sampler
 from shiftjax.serving.sampling_params import SamplingParams
 from shiftjax.serving.scheduler import Request, ScheduledStep, Scheduler, SchedulerConfig
-from shiftjax.serving.token_fills import TokenFills
 from shiftjax.steps import params_for
 from shiftjax.weights import ModelWeights
 
@@ -206,10 +205,8 @@ class Engine:
                 self.caches = exe.time_executables(self.executables, weights, self.caches, max_pages,
                                                    warm=self.executables.stored_keys)
         with self._phase("samplers"):
-            self.samplers = Samplers.compile(weights, ladder, config.max_top_logprobs)
-        if config.async_scheduling:
-            with self._phase("token_fills"):
-                self.token_fills = TokenFills.compile(weights, ladder, config.max_top_logprobs)
+            self.samplers = Samplers.compile(weights, ladder, config.max_top_logprobs, max_pages)
+        self._no_previous = exe.empty_result(weights, ladder, config.max_top_logprobs)
         report("start-up: " + ", ".join(f"{phase.replace('_', ' ')} {seconds:.1f} s"
                                          for phase, seconds in self.startup_seconds.items()))
         self.policy = ShiftPolicy(config.mode, self.modes, self.executables.run_seconds,
@@ -311,12 +308,12 @@ class Engine:
         try:
             num_tokens, num_seqs = self.executables.ladder.pick(scheduled.num_tokens, len(scheduled.requests))
             mode = self.policy.choose(num_tokens, num_seqs)
-            batch = exe.to_device(exe.pad_batch(scheduled.batch, num_tokens, num_seqs), self.weights)
-            if scheduled.takes_sampled_tokens:
-                batch = self._take_sampled_tokens(scheduled, batch)
+            previous, token_source = self._sampled_token_source(scheduled)
+            upload = exe.place_upload(exe.pad_batch(scheduled.batch, num_tokens, num_seqs), self.weights,
+                                      token_source)
             executable = self.executables.get(mode, num_tokens, num_seqs)
-            out, self.caches = executable(params_for(self.weights, mode), self.caches, batch)
-            packed = self.samplers(out.logits, batch) if needs_sampler(scheduled.batch) else out.packed
+            out, self.caches = executable(params_for(self.weights, mode), self.caches, upload, previous)
+            packed = self.samplers(out.logits, upload.sequences) if needs_sampler(scheduled.batch) else out.packed
             host_copy = exe.start_host_copy(packed)
         except BaseException as error:  # an interrupt too: nothing may stay scheduled but unlaunched
             self.scheduler.forget(scheduled)
@@ -327,13 +324,16 @@ class Engine:
         self._last_launched = LaunchedStep(scheduled, mode, (num_tokens, num_seqs), packed, host_copy, start)
         return self._last_launched
 
-    def _take_sampled_tokens(self, scheduled: ScheduledStep, batch):
+    def _sampled_token_source(self, scheduled: ScheduledStep):
+        """The result a step takes sampled tokens from (on the devices) and, per token, the
+        row that holds it (None: the step takes none)."""
+        if not scheduled.takes_sampled_tokens:
+            return self._no_previous, None
         source = self._last_launched
         if source is None or source.scheduled.step_id != scheduled.source_step:
             raise RuntimeError(f"step {scheduled.step_id} takes tokens from step {scheduled.source_step}, "
                                "which is not the last one launched")
-        token_ids = self.token_fills(batch.token_ids, source.packed, scheduled.token_source, self.weights)
-        return batch.replace(token_ids=token_ids)
+        return source.packed, scheduled.token_source
 
     def finish_step(self, launched: LaunchedStep) -> StepReport:
         """The second half: waits for the step's result and commits it to its requests."""

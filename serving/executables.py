@@ -2,6 +2,11 @@
 
 Everything is compiled at start and timed; the serving path only looks executables up,
 so a batch that fits no bucket is an error, never a recompile.
+
+The engine's step (:func:`engine_step`) is the model's step with its batch taken from two
+uploaded arrays (``batch_upload.py``) and the tokens that the previous step sampled
+taken from that step's result on the devices (async scheduling, ``token_fills.py``):
+placing a step is two transfers and one launch.
 """
 
 from __future__ import annotations
@@ -15,15 +20,18 @@ import time
 from collections.abc import Callable, Collection
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
-from jaxtyping import Int
+from jaxtyping import Array, Int
 
 from shiftjax.batch import StepBatch, empty_batch
 from shiftjax.cache import KVCache
 from shiftjax.layouts.specs import REPLICATED
+from shiftjax.serving.batch_upload import BatchUpload, abstract_upload, pack_batch, unpack_batch
 from shiftjax.serving.executable_store import ExecutableStore, step_key
-from shiftjax.steps import make_step, params_for
+from shiftjax.serving.token_fills import take_sampled_tokens
+from shiftjax.steps import StepOutput, make_step, params_for
 from shiftjax.weights import ModelWeights
 
 
@@ -58,6 +66,12 @@ class BucketLadder:
 
         tokens = [-(-t // multiple) * multiple for t in ladder(min(min_tokens, max_tokens), max_tokens)]
         return cls(tuple(sorted(set(tokens))), tuple(ladder(1, max_seqs)))
+
+    @property
+    def result_rows(self) -> int:
+        """Rows of every step's result: the largest sequence bucket, so that a step can
+        read the one before it whatever their buckets."""
+        return self.seq_buckets[-1]
 
     def max_seqs(self) -> int:
         """The most sequences a step can hold and still fit a bucket: the largest sequence
@@ -120,6 +134,35 @@ class Executables:
         return self.compiled[(mode, num_tokens, num_seqs)]
 
 
+def engine_step(step, result_rows: int):
+    """``step`` (from ``make_step``) as the engine runs it: its batch unpacked from a
+    :class:`BatchUpload`, the tokens whose ``token_source`` is set taken from ``previous``
+    (the result of the step launched before, not yet on the host), and its result padded
+    to ``result_rows``. Caches (argument 1) are donated."""
+
+    def run(params, caches: KVCache, upload: BatchUpload,
+            previous: Int[Array, "result_rows columns"]) -> tuple[StepOutput, KVCache]:
+        batch, token_source = unpack_batch(upload)
+        batch = batch.replace(token_ids=take_sampled_tokens(batch.token_ids, previous, token_source))
+        out, caches = step(params, caches, batch)
+        return out.replace(packed=pad_result(out.packed, result_rows)), caches
+
+    return jax.jit(run, donate_argnums=(1,))
+
+
+def pad_result(packed: Int[Array, "seqs columns"], rows: int) -> Int[Array, "rows columns"]:
+    return jnp.pad(packed, ((0, rows - packed.shape[0]), (0, 0)))
+
+
+def result_columns(max_top_logprobs: int) -> int:
+    return 2 + 2 * max_top_logprobs  # StepOutput.packed
+
+
+def empty_result(weights: ModelWeights, ladder: BucketLadder, max_top_logprobs: int) -> jax.Array:
+    """The ``previous`` of a step that takes no sampled tokens (placed once, read by many)."""
+    return place_replicated(np.zeros((ladder.result_rows, result_columns(max_top_logprobs)), np.int32), weights)
+
+
 def batch_sharding(weights: ModelWeights) -> NamedSharding:
     return NamedSharding(weights.mesh, REPLICATED)
 
@@ -180,7 +223,8 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
                     ready(key, executable, elapsed)
     stored = frozenset(compiled)
     with JaxCompileEvents() as events:
-        lowered = _lower_steps(weights, caches, [k for k in steps if k not in compiled], **options)
+        lowered = _lower_steps(weights, caches, [k for k in steps if k not in compiled],
+                               result_rows=ladder.result_rows, **options)
 
         def compile_one(key):
             began = time.perf_counter()
@@ -220,18 +264,19 @@ def _steps(weights, ladder, modes) -> list[tuple[str, int, int]]:
     return steps
 
 
-def _lower_steps(weights, caches, steps, *, max_pages, attention, layer_loop, max_top_logprobs,
+def _lower_steps(weights, caches, steps, *, result_rows, max_pages, attention, layer_loop, max_top_logprobs,
                  sample_in_step=True):
     sharding = batch_sharding(weights)
+    previous = jax.ShapeDtypeStruct((result_rows, result_columns(max_top_logprobs)), np.int32, sharding=sharding)
     made = {}
     lowered = {}
     for mode, t, b in steps:
         if mode not in made:
-            made[mode] = make_step(weights, mode, attention=attention, layer_loop=layer_loop,
-                                   max_top_logprobs=max_top_logprobs, sample_in_step=sample_in_step)
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                                empty_batch(t, b, max_pages))
-        lowered[(mode, t, b)] = made[mode].lower(params_for(weights, mode), caches, abstract)
+            made[mode] = engine_step(make_step(weights, mode, attention=attention, layer_loop=layer_loop,
+                                               max_top_logprobs=max_top_logprobs, sample_in_step=sample_in_step),
+                                     result_rows)
+        lowered[(mode, t, b)] = made[mode].lower(params_for(weights, mode), caches,
+                                                 abstract_upload(t, b, max_pages, sharding), previous)
     return lowered
 
 
@@ -243,7 +288,8 @@ def temporary_bytes(weights: ModelWeights, caches: KVCache, ladder: BucketLadder
     abstract (``ShapeDtypeStruct``) and small; the step updates them in place, so their
     size does not change the temporaries."""
     largest = BucketLadder((ladder.token_buckets[-1],), (ladder.seq_buckets[-1],))
-    lowered = _lower_steps(weights, caches, _steps(weights, largest, modes), max_pages=max_pages,
+    lowered = _lower_steps(weights, caches, _steps(weights, largest, modes), result_rows=ladder.result_rows,
+                           max_pages=max_pages,
                            attention=attention, layer_loop=layer_loop, max_top_logprobs=max_top_logprobs,
                            sample_in_step=sample_in_step)
     sizes = []
@@ -301,6 +347,12 @@ def to_device(batch: StepBatch, weights: ModelWeights) -> StepBatch:
     return jax.tree.map(lambda x: _place(x, sharding), batch)
 
 
+def place_upload(batch: StepBatch, weights: ModelWeights, token_source: np.ndarray | None = None) -> BatchUpload:
+    """A padded host batch packed and placed like :func:`to_device`: two transfers."""
+    sharding = batch_sharding(weights)
+    return jax.tree.map(lambda x: _place(x, sharding), pack_batch(batch, token_source))
+
+
 def place_replicated(x: np.ndarray, weights: ModelWeights) -> jax.Array:
     """A host array replicated on the mesh (each process places its own devices' copies)."""
     return _place(x, batch_sharding(weights))
@@ -329,17 +381,18 @@ def run_on_padding(executables: Executables, key: tuple[str, int, int], weights:
     scratch page); the caches, rebound after each donated call, and the seconds per run
     (the batch's transfer not counted)."""
     mode, t, b = key
-    batch = to_device(empty_batch(t, b, max_pages), weights)
+    upload = place_upload(empty_batch(t, b, max_pages), weights)
+    previous = empty_result(weights, executables.ladder, executables.max_top_logprobs)
     params = params_for(weights, mode)
     start = time.perf_counter()
     for _ in range(repeats):
-        out, caches = executables.compiled[key](params, caches, batch)
+        out, caches = executables.compiled[key](params, caches, upload, previous)
     jax.block_until_ready(out.packed)
     return caches, (time.perf_counter() - start) / repeats
 
 
 def start_host_copy(packed: jax.Array) -> jax.Array:
-    """The copy of a step's ``[seqs, 2 + 2K]`` result that the host reads (replicated: any
+    """The copy of a step's ``[result_rows, 2 + 2K]`` result that the host reads (replicated: any
     local shard), its transfer to the host requested now, so it lands when the step ends
     instead of when the host asks (DESIGN.md's ``copy_to_host_async``)."""
     shard = packed.addressable_shards[0].data

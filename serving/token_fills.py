@@ -1,20 +1,16 @@
 """The device half of asynchronous scheduling: a step's batch takes the tokens that the
 step before it sampled, without the host waiting for them.
 
-One tiny gather per (token bucket, sequence bucket of the previous step), compiled at
-start like the steps, so the serving path never compiles. It runs on the devices after
-the previous step (it reads its result) and before the next (which reads its output).
+The engine's step (``executables.engine_step``) does this gather first, on the previous
+step's result that is still on the devices; the host only says, per token, which row of
+that result holds it (``token_source``, -1 for a token the host knows).
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
-
-from shiftjax.serving.executables import BucketLadder, batch_sharding, place_replicated
-from shiftjax.weights import ModelWeights
 
 
 def take_sampled_tokens(
@@ -36,30 +32,3 @@ def take_sampled_tokens_reference(token_ids: np.ndarray, previous_packed: np.nda
         if row >= 0:
             out[i] = previous_packed[row, 0]
     return out
-
-
-class TokenFills:
-    """Compiled :func:`take_sampled_tokens` for every shape a step can meet."""
-
-    def __init__(self, compiled: dict[tuple[int, int], object]):
-        self.compiled = compiled
-
-    @classmethod
-    def compile(cls, weights: ModelWeights, ladder: BucketLadder, max_top_logprobs: int) -> "TokenFills":
-        sharding = batch_sharding(weights)
-        columns = 2 + 2 * max_top_logprobs  # steps.StepOutput.packed
-
-        def spec(*shape):
-            return jax.ShapeDtypeStruct(shape, np.int32, sharding=sharding)
-
-        fill = jax.jit(take_sampled_tokens)
-        return cls({(t, b): fill.lower(spec(t), spec(b, columns), spec(t)).compile()
-                    for t in ladder.token_buckets for b in ladder.seq_buckets})
-
-    def __call__(self, token_ids: jax.Array, previous_packed: jax.Array, token_source: np.ndarray,
-                 weights: ModelWeights) -> jax.Array:
-        """``token_source`` (host, unpadded) is padded with -1 to ``token_ids``' bucket."""
-        padded = np.full(token_ids.shape[0], -1, np.int32)
-        padded[:len(token_source)] = token_source
-        source = place_replicated(padded, weights)
-        return self.compiled[(token_ids.shape[0], previous_packed.shape[0])](token_ids, previous_packed, source)

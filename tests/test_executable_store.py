@@ -61,8 +61,8 @@ def test_a_warm_start_loads_every_step_and_runs_it_the_same(weights, tmp_path, l
     warm = Engine(weights, EngineConfig(**OPTIONS, executable_store=store))
     assert lowered_steps == [] and warm.executables.loaded_from_store == 4
     # start-up phases, for the log and ServerInfo: only a warm start checks stored steps
-    assert list(cold.startup_seconds) == ["kv_cache", "executables", "samplers", "token_fills"]
-    assert list(warm.startup_seconds) == ["kv_cache", "executables", "check_stored", "samplers", "token_fills"]
+    assert list(cold.startup_seconds) == ["kv_cache", "executables", "samplers"]
+    assert list(warm.startup_seconds) == ["kv_cache", "executables", "check_stored", "samplers"]
     assert all(seconds > 0 for seconds in warm.startup_seconds.values())
     assert set(warm.executables.compiled) == set(cold.executables.compiled)
     cold_tokens, cold_modes = tokens(cold)

@@ -14,7 +14,7 @@ from shiftjax.config import ModelConfig
 from shiftjax.layouts.mesh import make_mesh
 from shiftjax.params import random_params
 from shiftjax.sampling import pack_samples
-from shiftjax.serving.executables import BucketLadder, to_device
+from shiftjax.serving.executables import BucketLadder, place_upload, to_device
 from shiftjax.serving.samplers import Samplers, needs_sampler
 from shiftjax.steps import make_step, params_for
 from shiftjax.weights import shard_params
@@ -63,9 +63,12 @@ def test_the_sampler_gives_what_the_step_gives(weights):
     batch = mixed_batch()
     assert needs_sampler(batch)
     in_step, _, _ = run(weights, batch)
-    split, placed, _ = run(weights, batch, sample_in_step=False)
-    samplers = Samplers.compile(weights, BucketLadder((16,), (1, 4)), TOP)
-    sampled = np.asarray(samplers(split.logits, placed))
+    split, _, _ = run(weights, batch, sample_in_step=False)
+    # result rows 8: the sampler reads the step's upload and pads as the steps do
+    samplers = Samplers.compile(weights, BucketLadder((16,), (1, 4, 8)), TOP, MAX_PAGES)
+    padded = np.asarray(samplers(split.logits, place_upload(batch, weights).sequences))
+    assert padded.shape == (8, 2 + 2 * TOP) and not padded[4:].any()
+    sampled = padded[:4]
     np.testing.assert_array_equal(sampled, np.asarray(in_step.packed))
     greedy = np.asarray(split.packed)  # the step's own packing: greedy rows right, no alternatives
     np.testing.assert_array_equal(greedy[[0, 2], :2], sampled[[0, 2], :2])
@@ -94,7 +97,7 @@ def test_an_all_greedy_batch_needs_no_sampler():
 
 
 def test_the_sampler_has_no_conditional(weights):
-    samplers = Samplers.compile(weights, BucketLadder((16,), (4,)), TOP)
+    samplers = Samplers.compile(weights, BucketLadder((16,), (4,)), TOP, MAX_PAGES)
     assert "conditional(" not in samplers.compiled[4].as_text()
     # the check can fail: the same sampler with its skips compiles to conditionals
     skipping = jax.jit(functools.partial(pack_samples, max_top_logprobs=TOP, skip_unneeded=True))

@@ -320,7 +320,7 @@ def test_info_is_json_and_says_what_runs(service):
     assert info["page_pool"]["num_pages"] == 39 and info["page_pool"]["sized_by"] == "num_pages"
     assert info["startup"]["executables"] == 4
     # a threshold policy times no executables, and without a store there is nothing to check
-    assert list(info["startup"]["phase_seconds"]) == ["kv_cache", "executables", "samplers", "token_fills"]
+    assert list(info["startup"]["phase_seconds"]) == ["kv_cache", "executables", "samplers"]
     assert info["async_scheduling"] is True
     assert info["model_config"]["vocab_size"] == 96
 
