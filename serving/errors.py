@@ -21,3 +21,8 @@ class Unavailable(Exception):
 
 class RequestFailed(Exception):
     """An internal error failed this request (INTERNAL / 500); the service goes on."""
+
+
+class DeadlineExceeded(Exception):
+    """The request's deadline passed before it finished; its pages are freed
+    (DEADLINE_EXCEEDED). Only gRPC calls carry deadlines; the HTTP API sets none."""

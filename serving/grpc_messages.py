@@ -73,7 +73,7 @@ def prompt_ids_from(request: pb.GenerateRequest, tokenizer) -> tuple[int, ...]:
 
 def generation_request_from(request: pb.GenerateRequest, tokenizer, time_remaining: float | None) -> GenerationRequest:
     """``time_remaining`` is the call's gRPC deadline in seconds from now (None: none), kept
-    as the request's own deadline so the engine aborts it even between streamed tokens."""
+    as the request's own deadline so the engine ends it even between streamed tokens."""
     params = sampling_params_from(request)
     deadline = None if time_remaining is None else time.monotonic() + time_remaining
     return GenerationRequest(prompt_ids=prompt_ids_from(request, tokenizer), params=params,

@@ -5,7 +5,8 @@ A thin adapter: requests become :class:`GenerationRequest`, deltas become respon
 the service's exceptions become status codes in :func:`status_of`. Closing the service's
 stream is what cancels a request, so the ``finally`` around the stream is the whole of
 cancellation: grpc.aio cancels the handler's task when the client cancels, disconnects or
-its deadline passes, and the stream's ``aclose()`` frees the request's pages at once.
+its deadline passes, and the stream's ``aclose()`` frees the request's pages at once. The
+service alone says a request ended for its deadline (:class:`DeadlineExceeded`).
 """
 
 from __future__ import annotations
@@ -13,17 +14,16 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from shiftjax.serving import grpc_messages as messages
-from shiftjax.serving.errors import InvalidRequest, Overloaded, RequestFailed, Unavailable
+from shiftjax.serving.errors import DeadlineExceeded, InvalidRequest, Overloaded, RequestFailed, Unavailable
 from shiftjax.serving.proto.shiftjax.v1 import inference_pb2 as pb
 from shiftjax.serving.proto.shiftjax.v1 import inference_pb2_grpc as pb_grpc
-from shiftjax.serving.protocol import FINISH_ABORT, FINISH_ERROR
+from shiftjax.serving.protocol import FINISH_ERROR
 
 log = logging.getLogger("shiftjax.serving.grpc")
 
@@ -76,10 +76,6 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             async for delta in stream:
                 if delta.finish_reason == FINISH_ERROR:
                     raise RequestFailed(f"request {delta.request_id} failed in the engine")
-                if delta.finish_reason == FINISH_ABORT and _past(generation.deadline):
-                    # the service ended it for the call's deadline, which gRPC's own clock may
-                    # not have reached yet: the client hears DEADLINE_EXCEEDED either way
-                    raise DeadlineExceeded("the request's deadline passed")
                 yield messages.response_from(delta)
         except Exception as error:
             await _abort(context, error)
@@ -127,14 +123,6 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if self.service is None:  # tokenization needs no engine, but the tokenizer comes with it
             raise Unavailable("the server is starting; retry shortly")
         return self.service.tokenizer
-
-
-class DeadlineExceeded(Exception):
-    """The service ended a request because its deadline passed."""
-
-
-def _past(deadline: float | None) -> bool:
-    return deadline is not None and time.monotonic() >= deadline
 
 
 async def _abort(context, error: Exception):

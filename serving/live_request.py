@@ -29,6 +29,10 @@ class LiveRequest:
     sent: int = 0  # output tokens already streamed
     done: bool = False
 
+    def past_deadline(self, now: float) -> bool:
+        deadline = self.request.deadline
+        return deadline is not None and deadline <= now
+
     def usage(self) -> Usage:
         """Times from submit; ``ttft_seconds`` is 0.0 when no token came (and
         ``queue_seconds`` the whole wait when the request never ran)."""

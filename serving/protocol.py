@@ -12,25 +12,29 @@ import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
-from shiftjax.serving.errors import InvalidRequest, Overloaded, RequestFailed, Unavailable
+from shiftjax.serving.errors import DeadlineExceeded, InvalidRequest, Overloaded, RequestFailed, Unavailable
 from shiftjax.serving.sampling_params import SamplingParams
 
-__all__ = ["InvalidRequest", "Overloaded", "RequestFailed", "Unavailable"]  # re-exported
+__all__ = ["DeadlineExceeded", "InvalidRequest", "Overloaded", "RequestFailed", "Unavailable"]  # re-exported
 
-# Finish reasons, as the OpenAI API and vLLM spell them, plus the two a server needs.
+# Finish reasons, as the OpenAI API and vLLM spell them, plus those a server needs.
+# AsyncEngineService ends no stream with the last two (it raises RequestFailed or
+# DeadlineExceeded); its observer, and so the metrics, still hear them by name.
 FINISH_STOP = "stop"  # end-of-sequence token, a stop token id or a stop string
 FINISH_LENGTH = "length"  # max_tokens reached
-FINISH_ABORT = "abort"  # cancelled, client gone, deadline passed, server shutting down
+FINISH_ABORT = "abort"  # cancelled, client gone, server shutting down
 FINISH_ERROR = "error"  # an internal error failed this request alone
-FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR)
+FINISH_DEADLINE = "deadline"  # the request's deadline passed first
+FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR, FINISH_DEADLINE)
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerationRequest:
     """One prompt, already tokenized, and how to continue it.
 
-    ``deadline`` is a ``time.monotonic()`` instant after which the request is aborted and
-    its pages freed; ``None`` means no deadline.
+    ``deadline`` is a ``time.monotonic()`` instant after which the service ends the request,
+    frees its pages and raises :class:`DeadlineExceeded` from its stream; ``None`` means no
+    deadline.
     """
 
     prompt_ids: tuple[int, ...]
@@ -103,13 +107,16 @@ class EngineService(Protocol):
     def submit(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         """Validates and enqueues ``request`` at once (raising :class:`InvalidRequest`,
         :class:`Overloaded` or :class:`Unavailable` before anything streams), and returns
-        the stream of its deltas. Closing the stream early (``aclose()``, or the consuming
-        task being cancelled) cancels the request and frees its pages."""
+        the stream of its deltas. The stream raises :class:`DeadlineExceeded` when the
+        request's deadline passes first, :class:`RequestFailed` when the engine fails it.
+        Closing the stream early (``aclose()``, or the consuming task being cancelled)
+        cancels the request and frees its pages."""
         ...
 
     def cancel(self, request_id: str) -> bool:
-        """Aborts a request; its stream ends with ``finish_reason == "abort"``. Returns
-        whether the request was still live."""
+        """Aborts a request; its stream ends with ``finish_reason == "abort"``, even when its
+        deadline has passed unnoticed (the caller asked first). Returns whether the request
+        was still live."""
         ...
 
     def stats(self) -> ServiceStats: ...
@@ -155,5 +162,6 @@ class EngineObserver(Protocol):
     def on_preemption(self) -> None: ...
 
     def on_finish(self, *, usage: Usage, finish_reason: str) -> None:
-        """Queue time, TTFT, TPOT and end-to-end latency, token counters, finish reasons."""
+        """Queue time, TTFT, TPOT and end-to-end latency, token counters, finish reasons
+        (one of ``FINISH_REASONS``)."""
         ...

@@ -5,6 +5,8 @@ Output token ``i`` of a prompt is ``(sum(prompt_ids) + i) % 1000 + 1000``, one t
 step of ``step_seconds``; each live request holds its pages (prompt plus max_tokens, 16
 tokens a page) from submit until its stream ends or is closed, so a leak shows in
 ``stats().free_pages``. ``fail_on_prompt`` makes a request fail mid-stream (RequestFailed).
+As the real service, a cancel ends the stream with an abort, even after the deadline, and
+an expired deadline raises DeadlineExceeded.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import asyncio
 import itertools
 import time
 
-from shiftjax.serving.errors import InvalidRequest, Overloaded, RequestFailed, Unavailable
+from shiftjax.serving.errors import DeadlineExceeded, InvalidRequest, Overloaded, RequestFailed, Unavailable
 from shiftjax.serving.protocol import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Delta, GenerationRequest,
                                        ServiceStats, TokenLogprob, Usage, prompt_ids_or_error)
 
@@ -105,8 +107,12 @@ class _FakeStream:
         params = self.request.params
         await asyncio.sleep(self.service.step_seconds)
         deadline = self.request.deadline
-        if self.cancelled or (deadline is not None and time.monotonic() > deadline):
+        if self.cancelled:
             return self._finish((), FINISH_ABORT)
+        if deadline is not None and time.monotonic() > deadline:
+            self.service.release(self)
+            self.finished = True
+            raise DeadlineExceeded(f"request {self.request_id} passed its deadline")
         if self.service.fail_on_prompt == tuple(self.request.prompt_ids) and self.sent == 2:
             self.service.release(self)
             self.finished = True

@@ -183,6 +183,53 @@ def test_an_expired_deadline_frees_the_pages_at_once_and_reaches_the_service(cli
     assert deadline is not None and before < deadline < before + 0.2 + 0.05
 
 
+class _PastDeadlineContext:
+    """What Generate reads of a grpc.aio context, for a call whose deadline passes 50 ms in.
+    Over the wire the client's own clock would answer DEADLINE_EXCEEDED by then, whatever
+    the server said; called directly, the servicer's own answer shows."""
+
+    class Aborted(Exception):
+        pass
+
+    def time_remaining(self) -> float:
+        return 0.05
+
+    async def abort(self, code, message):
+        raise self.Aborted(code, message)
+
+
+@pytest.mark.parametrize("cancelled", [True, False], ids=["cancelled after the deadline", "expired"])
+def test_deadline_exceeded_is_the_services_word_not_the_clocks(tokenizer, cancelled):
+    """An abort the service streams is an abort, even when it is read past the call's
+    deadline (a cancel or drain that came late); DEADLINE_EXCEEDED answers the service's
+    DeadlineExceeded alone."""
+    import asyncio
+
+    from shiftjax.serving.grpc_server import InferenceServicer
+
+    fake = FakeEngineService(tokenizer)
+    context = _PastDeadlineContext()
+
+    async def main():
+        responses = InferenceServicer(fake).Generate(
+            pb.GenerateRequest(prompt_ids=[3], max_tokens=400, request_id="late"), context)
+        first = await anext(responses)
+        await asyncio.sleep(0.1)
+        if cancelled:
+            assert fake.cancel("late")
+        return [first] + [r async for r in responses]
+
+    if cancelled:
+        responses = asyncio.run(main())
+        assert responses[-1].finish_reason == pb.FINISH_REASON_ABORT
+    else:
+        with pytest.raises(_PastDeadlineContext.Aborted) as caught:
+            asyncio.run(main())
+        code, message = caught.value.args
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "deadline" in message
+    assert fake.free_pages == fake.num_pages
+
+
 def test_tokenize_and_detokenize(client, tokenizer):
     ids = client.tokenize("Shift parallelism", add_special_tokens=False)
     assert ids == tokenizer.encode("Shift parallelism", add_special_tokens=False)

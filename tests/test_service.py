@@ -1,6 +1,7 @@
 """The engine as a service on a tiny model over a 2 x 2 CPU mesh: streams equal offline
-greedy output, cancellation, deadlines and stop strings free pages at once, failures stay
-with their request, draining, and no compile after start-up."""
+greedy output, cancellation, deadlines and stop strings free pages at once, a deadline end
+is named as one and a late cancel is not, failures stay with their request, draining, and
+no compile after start-up."""
 
 import asyncio
 import gc
@@ -16,7 +17,7 @@ from shiftjax.config import ModelConfig
 from shiftjax.layouts.mesh import make_mesh
 from shiftjax.params import random_params
 from shiftjax.serving.engine import Engine, EngineConfig
-from shiftjax.serving.errors import InvalidRequest, Overloaded, RequestFailed, Unavailable
+from shiftjax.serving.errors import DeadlineExceeded, InvalidRequest, Overloaded, RequestFailed, Unavailable
 from shiftjax.serving.executables import JaxCompileEvents
 from shiftjax.serving.protocol import GenerationRequest
 from shiftjax.serving.sampling_params import SamplingParams
@@ -157,14 +158,18 @@ def test_cancel_close_and_deadline_free_pages_at_once(service):
                 break
             await asyncio.sleep(0.01)
         freed_on_close = service.stats().free_pages == service.stats().num_pages
-        # so does a deadline
+        # so does a deadline, and the stream says why it ended
         deadline = GenerationRequest((7, 8), SamplingParams(**long), deadline=time.monotonic() + 0.01)
-        deltas = await collect(service.submit(deadline))
-        return freed_on_abort, freed_on_close, deltas
+        deltas = []
+        with pytest.raises(DeadlineExceeded, match="passed its deadline"):
+            async for delta in service.submit(deadline):
+                deltas.append(delta)
+        freed_on_deadline = service.stats().free_pages == service.stats().num_pages
+        return freed_on_abort, freed_on_close, freed_on_deadline, deltas
 
-    freed_on_abort, freed_on_close, deltas = asyncio.run(main())
-    assert freed_on_abort and freed_on_close
-    assert deltas[-1].finish_reason == "abort" and deltas[-1].usage.output_tokens < 50
+    freed_on_abort, freed_on_close, freed_on_deadline, deltas = asyncio.run(main())
+    assert freed_on_abort and freed_on_close and freed_on_deadline
+    assert sum(len(d.token_ids) for d in deltas) < 50 and all(d.finish_reason is None for d in deltas)
     assert not service.cancel("c")  # no longer live
 
 
@@ -244,6 +249,53 @@ def test_a_full_queue_answers_overloaded(engine, reference):
         results = asyncio.run(main())
         assert [[t for d in ds for t in d.token_ids] for ds in results] == reference
         assert observer.finished == ["length"] * 4
+    finally:
+        observer.gate.set()
+        service.shutdown()
+
+
+@pytest.mark.parametrize("late, reason", [(None, "deadline"), ("cancel", "abort"), ("drain", "abort"),
+                                          ("close", "deadline")])
+def test_what_ends_a_request_past_its_deadline_is_named(engine, reference, late, reason):
+    """The engine is held inside a step while the deadline passes; then a cancel, a drain
+    or a closed stream arrives, and the engine takes it in the same pass as the expiry. A
+    cancel or drain is an abort, as asked; a stream closed past its deadline (as gRPC closes
+    it when the call's deadline passes) and nothing at all are the deadline's end, which the
+    stream raises and the observer counts."""
+    observer = GateObserver()
+    service = AsyncEngineService(engine, CharTokenizer(), observer=observer)
+    try:
+        async def main():
+            deadline = time.monotonic() + 0.3
+            stream = service.submit(GenerationRequest((1, 2, 3), SamplingParams(max_tokens=50, ignore_eos=True),
+                                                      request_id="late", deadline=deadline))
+            consumer = asyncio.ensure_future(collect(stream))
+            assert await asyncio.to_thread(observer.stepped.wait, 30)
+            await asyncio.sleep(deadline - time.monotonic() + 0.01)
+            assert not observer.finished  # the engine has not seen the deadline yet
+            if late == "cancel":
+                assert service.cancel("late")
+            elif late == "drain":
+                assert await service.drain(0) == 1
+            elif late == "close":
+                consumer.cancel()
+            observer.gate.set()
+            (outcome,) = await asyncio.gather(consumer, return_exceptions=True)
+            for _ in range(200):  # a closed stream hears nothing; the observer does
+                if observer.finished:
+                    break
+                await asyncio.sleep(0.01)
+            return outcome
+
+        outcome = asyncio.run(main())
+        assert observer.finished == [reason]
+        assert service.stats().free_pages == service.stats().num_pages
+        if late is None:
+            assert isinstance(outcome, DeadlineExceeded)
+        elif late == "close":
+            assert isinstance(outcome, asyncio.CancelledError)
+        else:
+            assert outcome[-1].finish_reason == "abort"
     finally:
         observer.gate.set()
         service.shutdown()
