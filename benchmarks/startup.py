@@ -45,6 +45,8 @@ from shiftjax.serving.sampling_params import SamplingParams
 [completion] = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True))  # they run
 print("RESULT " + json.dumps({"start_seconds": ready, "output_ids": completion.output_ids,
                               "executables_seconds": executables.wall_seconds,
+                              "weights_seconds": llm.load_seconds, "phases": llm.engine.startup_seconds,
+                              "samplers_from_store": llm.engine.samplers.loaded_from_store,
                               "executables": len(executables.compiled),
                               "loaded_from_store": executables.loaded_from_store,
                               "compilation_cache_hits": executables.cache_hits}))
@@ -77,6 +79,8 @@ def main(argv=None) -> int:
     parser.add_argument("--num-pages", type=int, default=64)
     parser.add_argument("--cpu-devices", action="store_true", help="run on sp x tp virtual CPU devices")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--conditions", default="cold,compilation cache,executable store",
+                        help="the starts of each repeat, in order (cold first; a condition may repeat)")
     parser.add_argument("--smoke", action="store_true", help="a 2-layer random model, one repeat (CI)")
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args(argv)
@@ -101,10 +105,10 @@ def main(argv=None) -> int:
     try:
         for repeat in range(args.repeats):
             cache = work / f"cache{repeat}"
-            for condition in ("cold", "compilation cache", "executable store"):
+            for condition in args.conditions.split(","):
                 if condition == "compilation cache":  # set the cold start's entries aside
                     (cache / "executables").rename(cache / "executables.cold")
-                if condition == "executable store":
+                if condition == "executable store" and (cache / "executables.cold").exists():
                     shutil.rmtree(cache / "executables", ignore_errors=True)
                     (cache / "executables.cold").rename(cache / "executables")
                 began = time.perf_counter()
@@ -120,7 +124,9 @@ def main(argv=None) -> int:
                 print(f"{condition:>18}: process {run['process_seconds']:6.1f} s, in-process start "
                       f"{run['start_seconds']:6.1f} s, executables {run['executables_seconds']:6.1f} s "
                       f"({run['loaded_from_store']} from the store, {run['compilation_cache_hits']} from the "
-                      f"compilation cache, of {run['executables']})", flush=True)
+                      f"compilation cache, of {run['executables']}; samplers from the store: "
+                      f"{run['samplers_from_store']}); weights {run['weights_seconds']:.1f} s, "
+                      + ", ".join(f"{k} {v:.1f} s" for k, v in run["phases"].items()), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -205,7 +205,8 @@ class Engine:
                 self.caches = exe.time_executables(self.executables, weights, self.caches, max_pages,
                                                    warm=self.executables.stored_keys)
         with self._phase("samplers"):
-            self.samplers = Samplers.compile(weights, ladder, config.max_top_logprobs, max_pages)
+            self.samplers = Samplers.compile(weights, ladder, config.max_top_logprobs, max_pages,
+                                             store=store, report=report)
         self._no_previous = exe.empty_result(weights, ladder, config.max_top_logprobs)
         report("start-up: " + ", ".join(f"{phase.replace('_', ' ')} {seconds:.1f} s"
                                          for phase, seconds in self.startup_seconds.items()))

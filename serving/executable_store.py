@@ -1,4 +1,4 @@
-"""Compiled steps kept on disk, so that a warm start neither traces nor lowers them.
+"""Compiled steps (and samplers) kept on disk, so that a warm start neither traces nor lowers them.
 
 JAX's persistent compilation cache is keyed by the lowered program, so even a start whose
 every executable is cached still traces and lowers each step first: about 7 s per
@@ -103,13 +103,24 @@ def step_key(weights: ModelWeights, caches: KVCache, *, mode: str, num_tokens: i
     """The store key of one compiled step: a SHA-256 over its environment, model, inputs
     and options (see the module docstring); ``step_options`` must be every other argument
     the step is made and lowered with."""
+    return _key(weights, inputs=[_abstract(params_for(weights, mode)), _abstract(caches)],
+                step={"mode": mode, "num_tokens": num_tokens, "num_seqs": num_seqs, **step_options})
+
+
+def sampler_key(weights: ModelWeights, **sampler_options) -> str:
+    """The store key of one compiled sampler (``samplers.py``): its environment, model and
+    ``sampler_options``, every argument it is made and lowered with. Named apart from the
+    steps' keys, so that the store's files say which is which."""
+    return "sampler-" + _key(weights, sampler=sampler_options)
+
+
+def _key(weights: ModelWeights, **program) -> str:
     mesh = weights.mesh
     description = {
         "environment": environment_fingerprint(list(mesh.devices.flat)),
         "mesh": [list(mesh.axis_names), list(mesh.devices.shape)],
         "model": [repr(weights.config), repr(weights.layout), repr(weights.dims), weights.storage],
-        "inputs": [_abstract(params_for(weights, mode)), _abstract(caches)],
-        "step": {"mode": mode, "num_tokens": num_tokens, "num_seqs": num_seqs, **step_options},
+        **program,
     }
     return hashlib.sha256(json.dumps(description, sort_keys=True, default=repr).encode()).hexdigest()
 
@@ -142,6 +153,15 @@ class ExecutableStore:
             if report is not None:
                 report(f"stored executable {path.name} not loaded ({type(error).__name__}: {error}); compiling it")
             return None
+
+    def save_reporting(self, key: str, compiled: jax.stages.Compiled, report: Callable[[str], None] | None) -> None:
+        """:meth:`save`, where a failure (a full disk, an unserializable program) is only
+        reported: the server runs without the entry."""
+        try:
+            self.save(key, compiled)
+        except Exception as error:
+            if report is not None:
+                report(f"executable {key[:12]} not stored ({type(error).__name__}: {error})")
 
     def save(self, key: str, compiled: jax.stages.Compiled) -> None:
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)

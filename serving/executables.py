@@ -235,11 +235,7 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
             # persistent cache, serialized again, loads but fails when run on the CPU
             # ("Function ... not found"; tests/test_executable_store.py).
             if store is not None and events.hits_by_thread[threading.get_ident()] == hits_before:
-                try:
-                    store.save(store_keys[key], executable)
-                except Exception as error:  # a full disk or an unserializable step: serve anyway
-                    if report is not None:
-                        report(f"executable {key} not stored ({type(error).__name__}: {error})")
+                store.save_reporting(store_keys[key], executable, report)
             return key, executable, elapsed
 
         if lowered:

@@ -12,6 +12,7 @@ step reads it as it would the step's own.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -19,7 +20,9 @@ import numpy as np
 from shiftjax.batch import StepBatch
 from shiftjax.sampling import pack_samples
 from shiftjax.serving.batch_upload import abstract_upload, unpack_sequences
-from shiftjax.serving.executables import BucketLadder, batch_sharding, pad_result
+from shiftjax.serving.executable_store import ExecutableStore, sampler_key
+from shiftjax.serving.executables import (BucketLadder, JaxCompileEvents, batch_sharding, pad_result,
+                                          place_replicated)
 from shiftjax.weights import ModelWeights
 
 
@@ -37,22 +40,48 @@ def sample_rows(logits, sequences, *, max_top_logprobs: int, result_rows: int):
 class Samplers:
     """Compiled :func:`sample_rows` per sequence bucket."""
 
-    def __init__(self, compiled: dict[int, object]):
+    def __init__(self, compiled: dict[int, object], loaded_from_store: int = 0):
         self.compiled = compiled
+        self.loaded_from_store = loaded_from_store
 
     @classmethod
-    def compile(cls, weights: ModelWeights, ladder: BucketLadder, max_top_logprobs: int,
-                max_pages: int) -> "Samplers":
+    def compile(cls, weights: ModelWeights, ladder: BucketLadder, max_top_logprobs: int, max_pages: int,
+                store: ExecutableStore | None = None, report: Callable[[str], None] | None = None) -> "Samplers":
+        """Compiled for every sequence bucket, or loaded from ``store`` (each loaded one is
+        run once, as the engine runs its stored steps, and compiled again if that fails;
+        what XLA compiles afresh is stored)."""
         sharding = batch_sharding(weights)
-        sample = jax.jit(functools.partial(sample_rows, max_top_logprobs=max_top_logprobs,
-                                           result_rows=ladder.result_rows))
-        compiled = {}
-        for seqs in ladder.seq_buckets:
-            logits = jax.ShapeDtypeStruct((seqs, weights.config.vocab_size), np.float32, sharding=sharding)
-            sequences = abstract_upload(1, seqs, max_pages, sharding).sequences
-            compiled[seqs] = sample.lower(logits, sequences).compile()
-        return cls(compiled)
+        options = dict(max_top_logprobs=max_top_logprobs, result_rows=ladder.result_rows)
+        sample = jax.jit(functools.partial(sample_rows, **options))
+        devices = list(weights.mesh.devices.flat)
+        compiled, loaded = {}, 0
+        with JaxCompileEvents() as events:
+            for seqs in ladder.seq_buckets:
+                logits = jax.ShapeDtypeStruct((seqs, weights.config.vocab_size), np.float32, sharding=sharding)
+                sequences = abstract_upload(1, seqs, max_pages, sharding).sequences
+                key = None if store is None else sampler_key(weights, seqs=seqs, max_pages=max_pages, **options)
+                executable = None if store is None else store.load(key, devices, report)
+                if executable is not None and _runs(executable, logits, sequences, weights, report):
+                    compiled[seqs], loaded = executable, loaded + 1
+                    continue
+                hits = events.cache_hits
+                compiled[seqs] = sample.lower(logits, sequences).compile()
+                if store is not None and events.cache_hits == hits:  # only fresh compiles (executable_store.py)
+                    store.save_reporting(key, compiled[seqs], report)
+        return cls(compiled, loaded)
 
     def __call__(self, logits: jax.Array, sequences: jax.Array) -> jax.Array:
         """The packed samples of a step from its logits and its upload's ``sequences``."""
         return self.compiled[logits.shape[0]](logits, sequences)
+
+
+def _runs(executable, logits, sequences, weights: ModelWeights, report) -> bool:
+    """Whether a stored sampler runs, on zeros (a deserialized program can load and fail)."""
+    try:
+        jax.block_until_ready(executable(*(place_replicated(np.zeros(x.shape, x.dtype), weights)
+                                           for x in (logits, sequences))))
+        return True
+    except Exception as error:
+        if report is not None:
+            report(f"stored sampler failed when run ({type(error).__name__}: {error}); compiling it")
+        return False

@@ -45,6 +45,10 @@ def lowered_steps(monkeypatch):
     return seen
 
 
+def step_entries(store):
+    return sorted(p for p in store.glob("*.executable") if not p.name.startswith("sampler-"))
+
+
 def tokens(engine):
     requests = [engine.add_request(p, GREEDY) for p in PROMPTS]
     engine.run_until_done(requests)
@@ -55,11 +59,13 @@ def test_a_warm_start_loads_every_step_and_runs_it_the_same(weights, tmp_path, l
     store = str(tmp_path / "store")
     cold = Engine(weights, EngineConfig(**OPTIONS, executable_store=store))
     assert cold.executables.loaded_from_store == 0 and len(lowered_steps) == 4  # 2 modes x 2 buckets
-    assert len(list((tmp_path / "store").glob("*.executable"))) == 4
+    assert len(step_entries(tmp_path / "store")) == 4
+    assert len(list((tmp_path / "store").glob("sampler-*.executable"))) == 1  # one sequence bucket
     lowered_steps.clear()
 
     warm = Engine(weights, EngineConfig(**OPTIONS, executable_store=store))
     assert lowered_steps == [] and warm.executables.loaded_from_store == 4
+    assert (cold.samplers.loaded_from_store, warm.samplers.loaded_from_store) == (0, 1)
     # start-up phases, for the log and ServerInfo: only a warm start checks stored steps
     assert list(cold.startup_seconds) == ["kv_cache", "executables", "samplers"]
     assert list(warm.startup_seconds) == ["kv_cache", "executables", "check_stored", "samplers"]
@@ -107,7 +113,7 @@ def test_any_change_to_what_the_lowering_depends_on_is_a_miss(weights, tmp_path,
 def test_a_damaged_entry_is_compiled_again(weights, tmp_path, lowered_steps):
     store = tmp_path / "store"
     Engine(weights, EngineConfig(**OPTIONS, executable_store=str(store)))
-    victim = sorted(store.glob("*.executable"))[0]
+    victim = step_entries(store)[0]
     victim.write_bytes(victim.read_bytes()[:100])  # truncated
     lowered_steps.clear()
     messages = []
@@ -118,7 +124,7 @@ def test_a_damaged_entry_is_compiled_again(weights, tmp_path, lowered_steps):
     lowered_steps.clear()
     assert Engine(weights, EngineConfig(**OPTIONS, executable_store=str(store))).executables.loaded_from_store == 4
     # a whole, valid entry of another step under this step's name: its header names the other key
-    first, second = sorted(store.glob("*.executable"))[:2]
+    first, second = step_entries(store)[:2]
     second.write_bytes(first.read_bytes())
     messages.clear()
     engine = Engine(weights, EngineConfig(**OPTIONS, executable_store=str(store)), report=messages.append)
@@ -171,7 +177,8 @@ def test_an_executable_from_the_compilation_cache_is_not_stored(tmp_path):
     fails when run ("Function ... not found"): only fresh compiles are stored."""
     store, xla = tmp_path / "store", tmp_path / "xla"
     loaded, hits, cold_tokens = child(store, xla)
-    assert (loaded, hits) == (0, 0) and len(list(store.glob("*.executable"))) == 4
+    assert (loaded, hits) == (0, 0) and len(step_entries(store)) == 4
+    assert len(list(store.glob("sampler-*.executable"))) == 1
     for entry in store.glob("*.executable"):
         entry.unlink()
     loaded, hits, tokens = child(store, xla)  # every step from the XLA cache: none stored
@@ -208,3 +215,34 @@ def test_a_stored_executable_that_fails_when_run_is_compiled_again(weights, tmp_
     assert not any(isinstance(e, Broken) for e in engine.executables.compiled.values())
     assert list(engine.executables.compiled) == list(cold.executables.compiled)  # ladder order kept
     assert tokens(engine)[0] == tokens(cold)[0]
+
+
+def test_a_stored_sampler_samples_as_compiled_and_one_that_fails_is_compiled_again(weights, tmp_path, monkeypatch):
+    """Samplers are stored too (a warm start compiles nothing); one loaded from the store
+    samples what the compiled one does, and one that fails when run is compiled again."""
+    store = str(tmp_path / "store")
+    sampled = SamplingParams(max_tokens=8, temperature=0.9, top_k=20, seed=11, logprobs=True, top_logprobs=2)
+
+    def samples(engine):
+        requests = [engine.add_request(p, sampled) for p in PROMPTS]
+        engine.run_until_done(requests)
+        return [(r.output_ids, r.output_top_logprobs) for r in requests]
+
+    cold = Engine(weights, EngineConfig(**OPTIONS, executable_store=store))
+    warm = Engine(weights, EngineConfig(**OPTIONS, executable_store=store))
+    assert warm.samplers.loaded_from_store == 1
+    assert samples(warm) == samples(cold)
+
+    class Broken:
+        def __call__(self, *args):
+            raise RuntimeError("NOT_FOUND: Function wrapped_sort not found")
+
+    load = executable_store.ExecutableStore.load
+    monkeypatch.setattr(executable_store.ExecutableStore, "load", lambda self, key, devices, report=None:
+                        Broken() if key.startswith("sampler-") else load(self, key, devices, report))
+    messages = []
+    engine = Engine(weights, EngineConfig(**OPTIONS, executable_store=store), report=messages.append)
+    assert any("sampler failed when run" in m and "wrapped_sort" in m for m in messages), messages
+    assert engine.samplers.loaded_from_store == 0 and engine.executables.loaded_from_store == 4
+    assert not any(isinstance(e, Broken) for e in engine.samplers.compiled.values())
+    assert samples(engine) == samples(cold)
