@@ -9,8 +9,8 @@ alternatives), and commits the one small result array to the requests.
 With ``async_scheduling`` (the default) the host schedules and dispatches step N+1 before
 it waits for step N, so the host's share of a step (scheduling, padding, placing,
 launching, committing) overlaps the devices' work instead of adding to it; a step then
-costs the larger of the two, and on 2x H200 the host's is the larger
-(benchmarks/x2_results.md). A request that samples in step N decodes in N+1 with a token
+costs the larger of the two (on 2x H200, Llama-3.1-8B shape: the host's at one sequence,
+the devices' at 8 and 64; benchmarks/x2_results.md). A request that samples in step N decodes in N+1 with a token
 the host has not seen: N+1's executable takes it from N's result on the devices before
 it runs the model (``token_fills.py``).
 """
