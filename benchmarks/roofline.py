@@ -235,8 +235,33 @@ def device_idle(fn, iters: int, gaps: int = 5) -> dict | None:
             end = max(end, stop)
         window = end - events[0][0]
         out[plane] = {"window_ms": window * 1e-6, "idle_fraction": 1 - busy / window,
-                      "kernels": len(events), "longest_gaps_us": [g * 1e-3 for g in sorted(idle_gaps)[-gaps:][::-1]]}
+                      "kernels": len(events), "longest_gaps_us": [g * 1e-3 for g in sorted(idle_gaps)[-gaps:][::-1]],
+                      **kernel_breakdown(events, iters)}
     return out or None
+
+
+# first match wins: XLA's Triton GEMM fusions count as GEMMs, the Pallas attention by its name
+KERNEL_KINDS = (("collective", ("nccl",)), ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
+                ("attention (Pallas)", ("ragged_paged_attention",)), ("other Triton", ("triton", "mosaic")))
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in lowered for m in marks)), "other (XLA fusions)")
+
+
+def kernel_breakdown(events, steps: int, top: int = 20) -> dict:
+    """Per step: kernel time and count by kind (``KERNEL_KINDS``) and the ``top`` kernels by
+    time, from (start, end, duration ns, name) records of ``steps`` steps."""
+    kinds, names = {}, {}
+    for _, _, duration, name in events:
+        for table, key in ((kinds, kernel_kind(name)), (names, name[:80])):
+            entry = table.setdefault(key, [0, 0])
+            entry[0] += duration
+            entry[1] += 1
+    per_step = lambda table: {k: {"ms": v[0] * 1e-6 / steps, "count": v[1] / steps} for k, v in table.items()}
+    ranked = sorted(per_step(names).items(), key=lambda kv: -kv[1]["ms"])[:top]
+    return {"by_kind": per_step(kinds), "top_kernels": dict(ranked)}
 
 
 def main():
