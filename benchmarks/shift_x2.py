@@ -410,7 +410,7 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
                     phases = " ".join(f"{k} {v:.2f}" for k, v in row["host_ms"].items())
                     log(f"  engine loop, round {r}, {variant:6s} {loop:5s} {seqs:2d} seqs: "
                         f"{row['wall_ms_median']:.2f} ms per decode step{idle}; host ms per call: {phases}")
-                    for plane, profile in sorted(row["idle"].items())[:1]:
+                    for plane, profile in sorted((row["idle"] or {}).items())[:1]:
                         log(f"    {plane}, kernels per step: " + ", ".join(
                             f"{kind} {v['ms']:.2f} ms x{v['count']:.0f}" for kind, v in profile["by_kind"].items()))
             for (variant, loop), rows in measured.items():
