@@ -364,8 +364,13 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
     prompt_len, decode_steps, profiled = (40, 12, 3) if smoke else (1000, 40, 12)
     seq_counts = (1, 8) if smoke else (1, 8, 64)
     weights = shard_params(device_random_params(config, jnp.bfloat16), config, make_mesh(1, 2, jax.devices()[:2]))
-    max_model_len = prompt_len + decode_steps + 8
     most = max(seq_counts)
+    # Prefill in large chunks, so that every sequence is decoding before the first one ends:
+    # the last prompt's chunks queue behind the others' decode tokens (decode comes first),
+    # and with a 64-token budget the first sequences ended before the last one began.
+    prefill_budget = 4 * prompt_len if smoke else 1024
+    max_tokens = -(-most * prompt_len // prefill_budget) + 2 * decode_steps
+    max_model_len = prompt_len + max_tokens + 8
     out = {"weight_bytes_per_device": weight_bytes_per_device(weights, weights.mesh), "rounds": rounds}
     # one clock for every engine: the phases run one after another, each reading its own entries
     clock = _HostClock()
@@ -375,7 +380,8 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
         with _step_variant(variant):
             engine = Engine(weights, EngineConfig(max_model_len=max_model_len, max_num_seqs=most,
                                                   num_pages=most * -(-max_model_len // PAGE) + 1,
-                                                  max_num_batched_tokens=64, token_buckets=(64,),
+                                                  max_num_batched_tokens=prefill_budget,
+                                                  token_buckets=(64, prefill_budget),
                                                   seq_buckets=seq_counts, mode="tp", attention=attention,
                                                   layer_loop="unrolled"))
         out[f"{variant}:startup"] = {"seconds": time.perf_counter() - started, "phases": engine.startup_seconds}
@@ -401,7 +407,7 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
                 for variant, loop in order if r % 2 == 0 else order[::-1]:
                     engine = engines[variant]
                     step = engine.step if loop == "async" else functools.partial(one_at_a_time, engine)
-                    row = _decode_phase(engine, step, clock, seqs, prompt_len, decode_steps,
+                    row = _decode_phase(engine, step, clock, seqs, prompt_len, max_tokens, decode_steps,
                                         profiled if r == 0 else 0)
                     outputs[f"{variant}:{loop}:dec{seqs}:r{r}"] = row.pop("output_ids")
                     measured[(variant, loop)].append(row)
@@ -428,27 +434,35 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
     return out
 
 
-def _decode_phase(engine, step, clock, seqs, prompt_len, decode_steps, profiled) -> dict:
+def _decode_phase(engine, step, clock, seqs, prompt_len, max_tokens, decode_steps, profiled) -> dict:
+    """``seqs`` requests prefilled, then ``decode_steps`` steps in which all of them decode
+    (checked: ``decoding`` counts the running requests at each timed step), the last
+    ``profiled`` of them under the profiler; then they are aborted and the engine drained."""
     requests = [engine.add_request([(i * 13 + j) % 1000 + 3 for j in range(prompt_len)],
-                                   SamplingParams(max_tokens=decode_steps, ignore_eos=True))
+                                   SamplingParams(max_tokens=max_tokens, ignore_eos=True))
                 for i in range(seqs)]
     while any(not r.output_ids for r in requests):
         step()
-    times = []
+    times, decoding = [], []
     since = {name: len(values) for name, values in clock.seconds.items()}
-    for _ in range(decode_steps - profiled - 4):
+    for _ in range(decode_steps - profiled):
+        decoding.append(sum(not r.finished for r in requests))
         begin = time.perf_counter()
         step()
         times.append(time.perf_counter() - begin)
     host = clock.medians_ms(since)
     idle = device_idle(step, profiled) if profiled else {}
-    while not all(r.finished for r in requests):
-        step()
+    decoding.append(sum(not r.finished for r in requests))
+    if min(decoding) != seqs:
+        raise RuntimeError(f"only {min(decoding)} of {seqs} sequences decoded in every timed step")
+    first = [r.output_ids[:decode_steps // 2] for r in requests]  # what every loop has generated
+    for r in requests:
+        engine.abort(r)
     while engine.run_step() is not None:  # the step async scheduling left in flight
         pass
     steady = sorted(times[2:])
     row = {"wall_ms_median": steady[len(steady) // 2] * 1e3, "steps_timed": len(steady), "host_ms": host,
-           "idle": idle, "output_ids": [r.output_ids for r in requests]}
+           "idle": idle, "sequences_decoding": seqs, "output_ids": first}
     if idle:
         row["idle_fraction_max"] = max(d["idle_fraction"] for d in idle.values())
     return row
