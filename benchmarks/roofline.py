@@ -240,8 +240,9 @@ def device_idle(fn, iters: int, gaps: int = 5) -> dict | None:
     return out or None
 
 
-# first match wins: XLA's Triton GEMM fusions count as GEMMs, the Pallas attention by its name
-KERNEL_KINDS = (("collective", ("nccl",)), ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
+# first match wins: XLA's own all-reduce kernels are fusions named after the psum, its Triton
+# GEMM fusions count as GEMMs, the Pallas attention by its name
+KERNEL_KINDS = (("collective", ("nccl", "psum", "all_reduce", "all-reduce", "all_to_all", "all_gather")), ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
                 ("attention (Pallas)", ("ragged_paged_attention",)), ("other Triton", ("triton", "mosaic")))
 
 
