@@ -149,7 +149,9 @@ def time_steps(weights, mesh, shapes: dict, *, attention: str, profile: bool, nu
             result, state["caches"] = executable(params, state["caches"], b)
             return result.packed
 
-        row = {"wall_ms": time_fn(run, batch, warmup=3, iters=15) * 1e3}
+        row = {"wall_ms": time_fn(run, batch, warmup=3, iters=15) * 1e3, "call_ms": _call_ms(run, batch),
+               # XLA's command buffers (CUDA graphs) are calls of computations it names so
+               "command_buffer_calls": executable.as_text().count("to_apply=%command_buffer")}
         span = device_time(run, (batch,), iters=8, top=5) if profile else None
         if span:
             row.update(span_ms=span["span"] * 1e3, kernels_per_step=span["kernels"],
@@ -158,8 +160,21 @@ def time_steps(weights, mesh, shapes: dict, *, attention: str, profile: bool, nu
             row["span_ms"] = None  # no device trace here (CPU): wall time only
         out[f"{mode}:{name}"] = row
         span_text = "n/a" if row["span_ms"] is None else f"{row['span_ms']:.2f} ms"
-        log(f"  {dict(mesh.shape)} {mode:2s} {name:10s} wall {row['wall_ms']:8.2f} ms  device span {span_text}")
+        log(f"  {dict(mesh.shape)} {mode:2s} {name:10s} wall {row['wall_ms']:8.2f} ms  device span {span_text}  "
+            f"launch {row['call_ms']:.2f} ms  command buffers {row['command_buffer_calls']}  "
+            f"kernels {row.get('kernels_per_step', 'n/a')}")
     return out
+
+
+def _call_ms(run, batch, iters: int = 15) -> float:
+    """Median host time for the executable call to return (the launch, not the step)."""
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        out = run(batch)
+        times.append(time.perf_counter() - start)
+        jax.block_until_ready(out)
+    return float(np.median(times)) * 1e3
 
 
 def correctness(smoke: bool, attention: str) -> dict:
@@ -252,6 +267,25 @@ def allreduce_variants(smoke: bool, attention: str, profile: bool) -> dict:
     shapes = {("tp", "dec8"): decode_batch(8, ctx, max_pages), ("tp", "dec64"): decode_batch(64, ctx, max_pages),
               ("sp", "pre2x2048"): prefill_batch(2, prompt, max_pages)}
     variants = {"nccl": None, "one_shot": {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True}}
+    return _option_variants(smoke, attention, profile, mesh, weights, shapes, variants)
+
+
+def command_buffer_variants(smoke: bool, attention: str, profile: bool) -> dict:
+    """The TP decode step on the engine's mesh ((1, 2)) compiled with XLA's default command
+    buffers, with none, and with every kind (``COMMAND_BUFFER_OPTIONS``): whether the HLO
+    holds command buffers at all, the host time to launch, the wall and device span."""
+    config = big_config(smoke)
+    ctx, max_pages = (64, 8) if smoke else (1024, 260)
+    mesh = make_mesh(1, 2, jax.devices()[:2])
+    weights = shard_params(device_random_params(config, jnp.bfloat16), config, mesh)
+    shapes = {("tp", "dec8"): decode_batch(8, ctx, max_pages), ("tp", "dec64"): decode_batch(64, ctx, max_pages)}
+    variants = {"default": None, "off": {"xla_gpu_enable_command_buffer": ""}, "every_kind": COMMAND_BUFFER_OPTIONS}
+    return _option_variants(smoke, attention, profile, mesh, weights, shapes, variants)
+
+
+def _option_variants(smoke, attention, profile, mesh, weights, shapes, variants) -> dict:
+    """``time_steps`` of ``shapes`` once per set of XLA compile options (GPU-only sets skipped in --smoke)."""
+    ctx = 64 if smoke else 1024
     out = {}
     for name, options in variants.items():
         if smoke and options:
@@ -531,6 +565,7 @@ def main() -> int:
                "steps_1gpu": lambda: step_table(args.smoke, attention, profile, "1gpu"),
                "allreduce": lambda: allreduce_variants(args.smoke, attention, profile),
                "collectives": lambda: collectives(args.smoke),
+               "cmdbuf": lambda: command_buffer_variants(args.smoke, attention, profile),
                "engine": lambda: engine_loop(args.smoke, attention, args.engine_variants.split(","),
                                              args.engine_rounds)}
     parts = [p for p in args.parts.split(",") if p]

@@ -107,6 +107,17 @@ class LaunchedStep:
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelineTurn:
+    """What one :meth:`Engine.advance` did: the steps it launched (two in the first turn of
+    async scheduling), the step it finished, and the launches or results that failed (their
+    requests are the caller's to fail; a failed turn finishes nothing)."""
+
+    launched: tuple[LaunchedStep, ...]
+    finished: StepReport | None
+    failed: tuple[StepFailed, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class StepReport:
     """What one ``Engine.run_step`` did, for the service and its observer."""
 
@@ -277,25 +288,61 @@ class Engine:
         return [] if report is None else report.finished
 
     def run_step(self) -> StepReport | None:
-        """Runs one step (None when there is nothing to run) and says what it did. With
-        ``async_scheduling`` the next step is launched before this one's result is awaited,
-        and stays in flight when this returns.
+        """Runs one step (None when there is nothing to run) and says what it did: one turn
+        of :meth:`advance`, whose first failure it raises (:class:`StepFailed`, naming the
+        requests the failed step had scheduled; the caller fails them)."""
+        turn = self.advance()
+        if turn is None:
+            return None
+        if turn.failed:
+            raise turn.failed[0]
+        return turn.finished
 
-        If the step raises, :class:`StepFailed` names the requests scheduled in it (the
-        caller fails them; the cause is chained); caches lost to a failed donated call are
-        reallocated and every running request is preempted, to recompute what it had cached."""
+    @property
+    def has_step_in_flight(self) -> bool:
+        """Whether a step is launched and not finished (async scheduling keeps one)."""
+        return self._in_flight is not None
+
+    def advance(self) -> PipelineTurn | None:
+        """One turn of the step pipeline: launches a step and finishes the oldest one in
+        flight. With ``async_scheduling`` the step launched stays in flight while the one
+        before it is finished (the host commits N while the devices run N+1); without, the
+        turn finishes the step it launched. None when nothing is in flight and nothing can
+        be scheduled.
+
+        Failures are returned, not raised, so that a turn whose launch fails still reports
+        the step it finished: a failed launch has scheduled nothing in flight; a failed
+        result means every step in flight is forgotten, the caches reallocated and every
+        running request preempted, to recompute what it had cached. An interrupt while
+        waiting for a result is raised after the same recovery (caches kept)."""
+        failed, launched = [], []
         if self._in_flight is None:
-            self._in_flight = self.launch_step()
+            self._in_flight = self._launch_noting(launched, failed)
             if self._in_flight is None:
-                return None
+                return PipelineTurn(tuple(launched), None, tuple(failed)) if failed else None
         current, self._in_flight = self._in_flight, None
         if self.config.async_scheduling:
-            try:
-                self._in_flight = self.launch_step()
-            except StepFailed:
-                self.finish_step(current)  # what ran is committed before the failure is raised
-                raise
-        return self.finish_step(current)
+            self._in_flight = self._launch_noting(launched, failed)
+        try:
+            finished = self.finish_step(current)
+        except StepFailed as failure:
+            return PipelineTurn(tuple(launched), None, (*failed, failure))
+        return PipelineTurn(tuple(launched), finished, tuple(failed))
+
+    def _launch_noting(self, launched: list, failed: list) -> LaunchedStep | None:
+        try:
+            step = self.launch_step()
+        except StepFailed as failure:
+            failed.append(failure)
+            return None
+        if step is not None:
+            launched.append(step)
+        return step
+
+    def forget_in_flight(self) -> None:
+        """Drops the step in flight uncommitted (for a caller whose own bookkeeping failed):
+        its requests go back to the queue and recompute."""
+        self._start_over(new_caches=False)
 
     def launch_step(self) -> LaunchedStep | None:
         """The first half of :meth:`run_step`: schedules and dispatches a step without

@@ -28,7 +28,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 
 from shiftjax.serving.detokenizer import IncrementalDetokenizer
-from shiftjax.serving.engine import Engine, LaunchedStep, StepFailed, StepReport
+from shiftjax.serving.engine import Engine, StepFailed, StepReport
 from shiftjax.serving.errors import DeadlineExceeded, InvalidRequest, Overloaded, RequestFailed, Unavailable
 from shiftjax.serving.live_request import LiveRequest
 from shiftjax.serving.protocol import (
@@ -214,13 +214,12 @@ class AsyncEngineService:
         executables = self.engine.executables
         self._observe("on_startup", compile_seconds=executables.wall_seconds,
                       executables=len(executables.compiled), cache_hits=executables.cache_hits)
-        # With async scheduling, step N+1 is launched before N is finished (the devices run
-        # N+1 while the host commits N and makes its deltas); without, N is finished first.
-        overlap = self.engine.config.async_scheduling
-        in_flight: LaunchedStep | None = None  # launched, its result not yet committed
+        # Each pass takes admissions and cancellations, then one turn of the engine's step
+        # pipeline: with async scheduling it launches step N+1 before it finishes N, so the
+        # deltas of N are made while the devices run N+1.
         while True:
             with self._wake:
-                while not (in_flight or self._inbox or self._cancels or self._stopping
+                while not (self.engine.has_step_in_flight or self._inbox or self._cancels or self._stopping
                            or self.engine.scheduler.has_work):
                     self._wake.wait(self._seconds_to_next_deadline())
                     if self._expired():
@@ -235,18 +234,10 @@ class AsyncEngineService:
                         self._end(live, FINISH_ABORT, outgoing)
                 else:
                     self._take(inbox, cancels, outgoing)
-                    done = None
-                    if in_flight is not None and not overlap:
-                        done, in_flight = self._finish(in_flight, outgoing), None
-                    launched = self._launch(outgoing)
-                    if in_flight is not None:
-                        done = self._finish(in_flight, outgoing)
-                    in_flight = launched
-                    if done is not None:  # the host's share of step N while the devices run N+1
-                        self._make_deltas(done, outgoing)
+                    self._turn(outgoing)
             except Exception:  # a bug of ours: fail what is in flight, keep serving
                 log.exception("engine loop failed; failing the requests in flight")
-                in_flight = None
+                self.engine.forget_in_flight()
                 for live in list(self._live.values()):
                     self._fail(live, outgoing)
             self._send(outgoing)
@@ -285,31 +276,28 @@ class AsyncEngineService:
             if live.past_deadline(now):
                 self._expire(live, outgoing)
 
-    def _launch(self, outgoing: dict) -> LaunchedStep | None:
-        if not self.engine.scheduler.has_work:
-            return None
+    def _turn(self, outgoing: dict) -> None:
+        """One turn of the engine's pipeline, and its bookkeeping: preemptions, first
+        schedule times, the step's metrics and trace, failed requests, then the deltas."""
+        if not (self.engine.has_step_in_flight or self.engine.scheduler.has_work):
+            return
         preemptions = self.engine.scheduler.num_preemptions
-        try:
-            launched = self.engine.launch_step()
-        except StepFailed as failure:
-            self._fail_step(failure, outgoing)
-            return None
+        turn = self.engine.advance()
         for _ in range(self.engine.scheduler.num_preemptions - preemptions):
             self._observe("on_preemption")
-        if launched is not None:
-            now = time.monotonic()
+        if turn is None:
+            return
+        now = time.monotonic()
+        for launched in turn.launched:
             for request in launched.scheduled.requests:
                 live = self._by_request.get(request)
                 if live is not None and live.first_scheduled is None:
                     live.first_scheduled = now
-        return launched
-
-    def _finish(self, launched: LaunchedStep, outgoing: dict) -> StepReport | None:
-        try:
-            report = self.engine.finish_step(launched)
-        except StepFailed as failure:
+        for failure in turn.failed:
             self._fail_step(failure, outgoing)
-            return None
+        report = turn.finished
+        if report is None:
+            return
         self._observe("on_step", mode=report.mode, num_tokens=report.num_tokens, num_seqs=len(report.requests),
                       seconds=report.seconds, switched=report.switched)
         scheduler = self.engine.scheduler
@@ -318,7 +306,7 @@ class AsyncEngineService:
                 "waiting": len(scheduler.waiting) + len(self._inbox), "seconds": report.seconds}
         with self._step_trace_lock:
             self._step_trace.append(step)
-        return report
+        self._make_deltas(report, outgoing)
 
     def step_trace(self) -> list[dict]:
         """The last ``STEP_TRACE_STEPS`` steps, oldest first: Unix ``time`` at the step's
