@@ -121,16 +121,18 @@ def weight_bytes_per_device(weights, mesh) -> list[int]:
 
 
 def time_steps(weights, mesh, shapes: dict, *, attention: str, profile: bool, num_pages: int,
-               compiler_options: dict | None = None) -> dict:
+               compiler_options: dict | None = None, sample_in_step: bool = True) -> dict:
     """Wall (median, synchronised) and device span of each (mode, shape) step, compiled
-    with XLA ``compiler_options`` (debug options by name) when given."""
+    with XLA ``compiler_options`` (debug options by name) when given. ``sample_in_step``:
+    see ``make_step`` (False: the engine's step, whose greedy packing holds no conditional;
+    the in-step sampler's conditionals block the host until the device reaches them)."""
     config = weights.config
     caches = allocate_cache(mesh, config.num_layers, weights.layout.kv_slots, config.head_dim,
                             CacheConfig(num_pages, PAGE, str(weights.tp.embed.dtype)))
     state = {"caches": caches}
     lowered = {}
     for mode, name in shapes:
-        step = make_step(weights, mode, attention=attention, layer_loop="unrolled")
+        step = make_step(weights, mode, attention=attention, layer_loop="unrolled", sample_in_step=sample_in_step)
         batch = to_device(shapes[(mode, name)], weights)
         lowered[(mode, name)] = (step.lower(params_for(weights, mode), caches, batch), batch)
     start = time.perf_counter()
@@ -280,10 +282,10 @@ def command_buffer_variants(smoke: bool, attention: str, profile: bool) -> dict:
     weights = shard_params(device_random_params(config, jnp.bfloat16), config, mesh)
     shapes = {("tp", "dec8"): decode_batch(8, ctx, max_pages), ("tp", "dec64"): decode_batch(64, ctx, max_pages)}
     variants = {"default": None, "off": {"xla_gpu_enable_command_buffer": ""}, "every_kind": COMMAND_BUFFER_OPTIONS}
-    return _option_variants(smoke, attention, profile, mesh, weights, shapes, variants)
+    return _option_variants(smoke, attention, profile, mesh, weights, shapes, variants, sample_in_step=False)
 
 
-def _option_variants(smoke, attention, profile, mesh, weights, shapes, variants) -> dict:
+def _option_variants(smoke, attention, profile, mesh, weights, shapes, variants, **step_options) -> dict:
     """``time_steps`` of ``shapes`` once per set of XLA compile options (GPU-only sets skipped in --smoke)."""
     ctx = 64 if smoke else 1024
     out = {}
@@ -292,7 +294,7 @@ def _option_variants(smoke, attention, profile, mesh, weights, shapes, variants)
             continue  # a GPU-only option
         log(f"  variant {name}")
         out[name] = time_steps(weights, mesh, shapes, attention=attention, profile=profile,
-                               num_pages=64 * (ctx // PAGE + 1) + 2, compiler_options=options)
+                               num_pages=64 * (ctx // PAGE + 1) + 2, compiler_options=options, **step_options)
     return out
 
 
