@@ -9,8 +9,9 @@ alternatives), and commits the one small result array to the requests.
 With ``async_scheduling`` (the default) the host schedules and dispatches step N+1 before
 it waits for step N, so the host's share of a step (scheduling, padding, placing,
 launching, committing) overlaps the devices' work instead of adding to it; a step then
-costs the larger of the two (on 2x H200, Llama-3.1-8B shape: the host's at one sequence,
-the devices' at 8 and 64; benchmarks/x2_results.md). A request that samples in step N decodes in N+1 with a token
+costs about the larger of the two (on 2x H200, Llama-3.1-8B shape, the host's launch of
+the step's kernels is the larger at one sequence, and the two are close at 64;
+benchmarks/x2_results.md). A request that samples in step N decodes in N+1 with a token
 the host has not seen: N+1's executable takes it from N's result on the devices before
 it runs the model (``token_fills.py``).
 """
@@ -108,9 +109,9 @@ class LaunchedStep:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineTurn:
-    """What one :meth:`Engine.advance` did: the steps it launched (two in the first turn of
-    async scheduling), the step it finished, and the launches or results that failed (their
-    requests are the caller's to fail; a failed turn finishes nothing)."""
+    """What one :meth:`Engine.advance` did: the steps it launched (two in a turn that found
+    none in flight), the step it finished (None when that step's result failed), and the
+    launches or results that failed (their requests are the caller's to fail)."""
 
     launched: tuple[LaunchedStep, ...]
     finished: StepReport | None
@@ -119,7 +120,7 @@ class PipelineTurn:
 
 @dataclasses.dataclass(frozen=True)
 class StepReport:
-    """What one ``Engine.run_step`` did, for the service and its observer."""
+    """What one finished step did, for the service and its observer."""
 
     mode: str
     num_tokens: int  # scheduled tokens (before padding)
@@ -224,7 +225,7 @@ class Engine:
         self.policy = ShiftPolicy(config.mode, self.modes, self.executables.run_seconds,
                                   threshold=config.shift_threshold)
         self._last_launched: LaunchedStep | None = None  # the source of the next step's sampled tokens
-        self._in_flight: LaunchedStep | None = None  # run_step's step launched ahead
+        self._in_flight: LaunchedStep | None = None  # launched by advance, not yet finished
         self._last_finished = 0.0
         self.stats = {"steps": 0, "switches": 0, "tokens": 0, "last_mode": None,
                       "steps_by_mode": dict.fromkeys(self.modes, 0),
@@ -290,7 +291,9 @@ class Engine:
     def run_step(self) -> StepReport | None:
         """Runs one step (None when there is nothing to run) and says what it did: one turn
         of :meth:`advance`, whose first failure it raises (:class:`StepFailed`, naming the
-        requests the failed step had scheduled; the caller fails them)."""
+        requests the failed step had scheduled; the caller fails them; the requests of a
+        second failure in the same turn were preempted and recompute). A step stays in flight
+        when it returns."""
         turn = self.advance()
         if turn is None:
             return None
@@ -304,29 +307,34 @@ class Engine:
         return self._in_flight is not None
 
     def advance(self) -> PipelineTurn | None:
-        """One turn of the step pipeline: launches a step and finishes the oldest one in
-        flight. With ``async_scheduling`` the step launched stays in flight while the one
-        before it is finished (the host commits N while the devices run N+1); without, the
-        turn finishes the step it launched. None when nothing is in flight and nothing can
-        be scheduled.
+        """One turn of the step pipeline: finishes the step in flight (launching one first
+        if none is) and leaves the next one in flight, so that the caller's work on the
+        finished step (its deltas) overlaps the devices' work on the next. With
+        ``async_scheduling`` the next step is launched before the finished one's result is
+        read (the host schedules N+1 while the devices run N); without, after it is
+        committed (N+1 is scheduled knowing N's tokens). None when nothing is in flight and
+        nothing can be scheduled.
 
         Failures are returned, not raised, so that a turn whose launch fails still reports
-        the step it finished: a failed launch has scheduled nothing in flight; a failed
-        result means every step in flight is forgotten, the caches reallocated and every
-        running request preempted, to recompute what it had cached. An interrupt while
-        waiting for a result is raised after the same recovery (caches kept)."""
+        the step it finished: a failed launch has put nothing in flight; a failed result
+        means every step in flight is forgotten, the caches reallocated and every running
+        request preempted, to recompute what it had cached. An interrupt is raised, with
+        the step that was in flight kept or, while waiting for its result, forgotten the
+        same way (caches kept)."""
         failed, launched = [], []
         if self._in_flight is None:
             self._in_flight = self._launch_noting(launched, failed)
             if self._in_flight is None:
                 return PipelineTurn(tuple(launched), None, tuple(failed)) if failed else None
-        current, self._in_flight = self._in_flight, None
-        if self.config.async_scheduling:
-            self._in_flight = self._launch_noting(launched, failed)
+        # (an interrupt while launching the next step leaves the current one in flight)
+        following = self._launch_noting(launched, failed) if self.config.async_scheduling else None
+        current, self._in_flight = self._in_flight, following
         try:
             finished = self.finish_step(current)
         except StepFailed as failure:
             return PipelineTurn(tuple(launched), None, (*failed, failure))
+        if not self.config.async_scheduling:
+            self._in_flight = self._launch_noting(launched, failed)
         return PipelineTurn(tuple(launched), finished, tuple(failed))
 
     def _launch_noting(self, launched: list, failed: list) -> LaunchedStep | None:
@@ -341,11 +349,11 @@ class Engine:
 
     def forget_in_flight(self) -> None:
         """Drops the step in flight uncommitted (for a caller whose own bookkeeping failed):
-        its requests go back to the queue and recompute."""
+        every running request goes back to the queue and recomputes."""
         self._start_over(new_caches=False)
 
     def launch_step(self) -> LaunchedStep | None:
-        """The first half of :meth:`run_step`: schedules and dispatches a step without
+        """The first half of a step (:meth:`advance`): schedules and dispatches it without
         waiting for the device. It may be called once more before the step is finished
         (the next step then decodes this one's samples on the device); steps are finished
         in the order they were launched."""

@@ -161,7 +161,7 @@ class ExecutableStore:
             self.save(key, compiled)
         except Exception as error:
             if report is not None:
-                report(f"executable {key[:12]} not stored ({type(error).__name__}: {error})")
+                report(f"executable {key[:20]} not stored ({type(error).__name__}: {error})")
 
     def save(self, key: str, compiled: jax.stages.Compiled) -> None:
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)

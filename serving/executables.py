@@ -210,7 +210,8 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
     if store is not None:
         devices = list(weights.mesh.devices.flat)
         for mode, t, b in steps:
-            store_keys[(mode, t, b)] = step_key(weights, caches, mode=mode, num_tokens=t, num_seqs=b, **options)
+            store_keys[(mode, t, b)] = step_key(weights, caches, mode=mode, num_tokens=t, num_seqs=b,
+                                                result_rows=ladder.result_rows, **options)
 
         def load(key):
             began = time.perf_counter()

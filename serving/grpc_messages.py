@@ -73,9 +73,10 @@ def prompt_ids_from(request: pb.GenerateRequest, tokenizer) -> tuple[int, ...]:
 
 def generation_request_from(request: pb.GenerateRequest, tokenizer, time_remaining: float | None) -> GenerationRequest:
     """``time_remaining`` is the call's gRPC deadline in seconds from now (None: none), kept
-    as the request's own deadline so the engine ends it even between streamed tokens."""
-    params = sampling_params_from(request)
+    as the request's own deadline so the engine ends it even between streamed tokens. The
+    clock is read first: the later it is read, the later this deadline falls behind gRPC's."""
     deadline = None if time_remaining is None else time.monotonic() + time_remaining
+    params = sampling_params_from(request)
     return GenerationRequest(prompt_ids=prompt_ids_from(request, tokenizer), params=params,
                              request_id=request.request_id or None, deadline=deadline)
 

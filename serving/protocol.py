@@ -110,7 +110,8 @@ class EngineService(Protocol):
         the stream of its deltas. The stream raises :class:`DeadlineExceeded` when the
         request's deadline passes first, :class:`RequestFailed` when the engine fails it.
         Closing the stream early (``aclose()``, or the consuming task being cancelled)
-        cancels the request and frees its pages."""
+        cancels the request and frees its pages; past the request's deadline, the deadline
+        ends it instead (gRPC closes the stream at its deadline)."""
         ...
 
     def cancel(self, request_id: str) -> bool:

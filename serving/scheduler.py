@@ -47,6 +47,14 @@ class Request:
     finish_reason: str | None = None
     modes: list[str] = dataclasses.field(default_factory=list)  # mode of every step it ran in
     preemptions: int = 0
+    _page_array: np.ndarray | None = dataclasses.field(default=None, repr=False)
+
+    def page_array(self) -> np.ndarray:
+        """``pages`` as int32, converted again only when pages were added (the scheduler
+        clears it when it frees them)."""
+        if self._page_array is None or len(self._page_array) != len(self.pages):
+            self._page_array = np.asarray(self.pages, np.int32)
+        return self._page_array
 
     @property
     def tokens(self) -> list[int]:
@@ -245,10 +253,14 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self.allocator.free(request.pages)
         request.pages = []
+        request._page_array = None
         if request in self.running:
             self.running.remove(request)
 
     def _build(self, chunks: list[tuple[Request, int]]) -> ScheduledStep:
+        """The step's host batch. Per request only Python scalars and lists are gathered;
+        the arrays are filled with a few whole-array operations (per-request numpy work cost
+        ~8 us a request: 0.57 ms for 64 decoding sequences, benchmarks/scheduler_host.py)."""
         page_size = self.config.page_size
         # A request with pending tokens decodes the latest; the device takes them from one result.
         sources = {request.pending_source[0] for request, _ in chunks if request.num_pending}
@@ -256,41 +268,50 @@ class Scheduler:
             raise RuntimeError(f"a step would take sampled tokens from steps {sorted(sources)}: "
                                "schedule at most one step ahead of the last commit")
         step_id = next(self._step_ids)
-        num_tokens = sum(size for _, size in chunks)
+        requests = [request for request, _ in chunks]
+        sizes = np.array([size for _, size in chunks], np.int64)
+        firsts = np.array([request.num_scheduled for request in requests], np.int64)
+        num_tokens = int(sizes.sum())
         batch = empty_batch(num_tokens, len(chunks), self.config.max_pages_per_seq)
-        token_source = np.full(num_tokens, -1, np.int32)
-        samples = []
-        start = 0
+        ends = np.cumsum(sizes)
+        batch.query_start[1:] = ends
+        batch.seq_lens[:] = firsts + sizes
+        if num_tokens == len(chunks):  # decodes only: token i is sequence i's next position
+            row, positions = np.arange(num_tokens), firsts
+        else:  # token i belongs to sequence row[i], at firsts[row] + (i - its chunk's start)
+            row = np.repeat(np.arange(len(chunks)), sizes)
+            positions = firsts[row] + np.arange(num_tokens) - (ends - sizes)[row]
+        batch.positions[:] = positions
+        page_arrays = [request.page_array() for request in requests]
+        num_pages = np.array([len(pages) for pages in page_arrays])
+        batch.page_table[np.arange(batch.page_table.shape[1]) < num_pages[:, None]] = np.concatenate(page_arrays)
+        batch.slot_mapping[:] = batch.page_table[row, positions // page_size] * page_size + positions % page_size
+        token_ids, token_source = [], np.full(num_tokens, -1, np.int32)
+        samples, sampled_rows, sampled_params = [], [], []
         for b, (request, size) in enumerate(chunks):
-            first = request.num_scheduled
-            positions = np.arange(first, first + size)
-            pages = np.asarray(request.pages, np.int32)
+            first = int(firsts[b])
             known = request.token_slice(first, size)
-            batch.token_ids[start:start + len(known)] = known
+            token_ids += known
             if len(known) < size:  # a decode of the token the uncommitted step samples
-                token_source[start + size - 1] = request.pending_source[1]
-            batch.positions[start:start + size] = positions
-            batch.slot_mapping[start:start + size] = pages[positions // page_size] * page_size + positions % page_size
-            batch.query_start[b + 1] = start + size
-            batch.seq_lens[b] = first + size
-            batch.page_table[b, :len(pages)] = pages
+                token_ids.append(0)
+                token_source[int(ends[b]) - 1] = request.pending_source[1]
             reaches_end = first + size == request.num_tokens + request.num_pending
             samples.append(reaches_end)
             if reaches_end:
-                batch.sample_index[b] = start + size - 1
-                batch.temperature[b] = request.params.temperature
-                batch.top_p[b] = request.params.top_p
-                batch.top_k[b] = request.params.top_k
-                batch.seed[b] = request.params.seed
-                batch.min_p[b] = request.params.min_p
-                batch.top_logprobs[b] = request.params.top_logprobs
+                sampled_rows.append(b)
+                sampled_params.append(request.params)
                 request.num_pending += 1
                 request.pending_source = (step_id, b)
             request.num_in_flight += size
-            start += size
-        return ScheduledStep(batch, num_tokens, [r for r, _ in chunks], samples, step_id=step_id,
+        batch.token_ids[:] = token_ids
+        if sampled_rows:
+            sampled_rows = np.array(sampled_rows)
+            batch.sample_index[sampled_rows] = ends[sampled_rows] - 1
+            for name in ("temperature", "top_p", "top_k", "seed", "min_p", "top_logprobs"):
+                getattr(batch, name)[sampled_rows] = [getattr(params, name) for params in sampled_params]
+        return ScheduledStep(batch, num_tokens, requests, samples, step_id=step_id,
                              token_source=token_source, source_step=next(iter(sources), None),
-                             preemptions=[r.preemptions for r, _ in chunks])
+                             preemptions=[r.preemptions for r in requests])
 
     def commit(self, step: ScheduledStep, tokens, logprobs, mode: str, top_ids=None, top_logprobs=None
                ) -> list[Request]:

@@ -72,7 +72,7 @@ class AsyncEngineService:
         self.engine: Engine | None = None if self._engine_factory else engine
         self._wake = threading.Condition()
         self._inbox: list[LiveRequest] = []
-        self._cancels: list[str] = []
+        self._cancels: list[LiveRequest] = []  # by object: an id may be reused once its request ends
         self._live: dict[str, LiveRequest] = {}
         self._by_request: dict[Request, LiveRequest] = {}
         self._ids = itertools.count()
@@ -119,8 +119,9 @@ class AsyncEngineService:
             self._wake.notify()
         stream = self._deltas(live)
         # Dropped unfinished, even never iterated, the request is cancelled: an async generator
-        # that never started runs no ``finally`` when collected (a no-op once it has ended).
-        weakref.finalize(stream, self._stream_closed, request_id)
+        # that never started runs no ``finally`` when collected (a no-op once it has ended,
+        # even if a new request has taken its id).
+        weakref.finalize(stream, self._stream_closed, live)
         return stream
 
     async def _deltas(self, live: LiveRequest):
@@ -138,27 +139,29 @@ class AsyncEngineService:
                     return
         finally:
             if not ended:  # closed early, or the consuming task was cancelled
-                self._stream_closed(live.request_id)
+                self._stream_closed(live)
 
     def cancel(self, request_id: str) -> bool:
         with self._wake:
             live = self._live.get(request_id)
             if live is None or live.done:
                 return False
-            self._cancels.append(request_id)
+            self._cancels.append(live)
             self._wake.notify()
             return True
 
-    def _stream_closed(self, request_id: str) -> None:
+    def _stream_closed(self, live: LiveRequest) -> None:
         """A stream closed before its end cancels its request, unless the request's deadline
         has passed: the engine's deadline check then ends it, in the same pass a cancel
         would, and names the cause. gRPC closes the stream for exactly that reason, its own
         clock firing at the same instant; on the tiny test model with 30 ms steps, 13 of 15
-        expired gRPC calls reached the service as a close before the engine saw the deadline."""
+        expired gRPC calls reached the service as a close before the engine saw the deadline.
+        (A finalizer may run this on a thread that holds ``_wake``: it is reentrant.)"""
         with self._wake:
-            live = self._live.get(request_id)
-            if live is not None and not live.past_deadline(time.monotonic()):
-                self.cancel(request_id)
+            if self._live.get(live.request_id) is live and not live.done \
+                    and not live.past_deadline(time.monotonic()):
+                self._cancels.append(live)
+                self._wake.notify()
 
     def stats(self) -> ServiceStats:
         engine = self.engine
@@ -187,7 +190,7 @@ class AsyncEngineService:
         while self._live and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         with self._wake:
-            left = [rid for rid, live in self._live.items() if not live.done]
+            left = [live for live in self._live.values() if not live.done]
             self._cancels.extend(left)
             self._wake.notify()
         return len(left)
@@ -252,7 +255,7 @@ class AsyncEngineService:
         now = time.monotonic()
         return any(live.past_deadline(now) for live in self._live.values())
 
-    def _take(self, inbox: list[LiveRequest], cancels: list[str], outgoing: dict) -> None:
+    def _take(self, inbox: list[LiveRequest], cancels: list[LiveRequest], outgoing: dict) -> None:
         """Admissions, then cancellations, then expired deadlines, before the next schedule:
         a cancel or drain taken in the same pass as an expiry it came after is still an abort,
         since the caller asked for that end (:meth:`cancel`)."""
@@ -267,9 +270,8 @@ class AsyncEngineService:
             except Exception as error:  # validated already; a race with the queue bound
                 log.warning("request %s refused at admission: %s", live.request_id, error)
                 self._fail(live, outgoing, Overloaded(str(error)))
-        for request_id in cancels:
-            live = self._live.get(request_id)
-            if live is not None:
+        for live in cancels:
+            if self._live.get(live.request_id) is live:
                 self._end(live, FINISH_ABORT, outgoing)
         now = time.monotonic()
         for live in list(self._live.values()):

@@ -277,6 +277,47 @@ def test_a_step_that_fails_on_the_devices_is_recomputed_not_lost(engines, tp_out
     assert engine.scheduler.allocator.num_free == engine.num_pages - 1
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_failed_launch_is_reported_with_the_step_its_turn_finished(engines, tp_outputs, monkeypatch,
+                                                                     async_scheduling):
+    """A turn whose launch fails still finishes (and reports) the step in flight; the failed
+    launch's requests (the caller's to fail; a server does) went back to the queue, and
+    recompute to what they would have generated. Both orders of a turn: the next launch
+    before the finish (async) or after it."""
+    engine = engines(mode="tp", async_scheduling=async_scheduling)
+    requests = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    for _ in range(3):
+        engine.run_step()
+    real_get = engine.executables.get
+
+    def fails(*key):
+        raise RuntimeError("an injected launch failure")
+
+    monkeypatch.setattr(engine.executables, "get", fails)
+    turn = engine.advance()
+    monkeypatch.setattr(engine.executables, "get", real_get)
+    [failure] = turn.failed
+    assert turn.finished is not None and turn.finished.requests  # the step in flight, committed
+    assert not engine.has_step_in_flight and isinstance(failure.__cause__, RuntimeError)
+    assert failure.requests and all(r.preemptions == 1 and not r.finished for r in failure.requests)
+    engine.run_until_done(requests)
+    assert [r.output_ids for r in requests] == tp_outputs
+    assert engine.scheduler.allocator.num_free == engine.num_pages - 1
+
+
+def test_forget_in_flight_recomputes_what_was_in_flight(engines, tp_outputs):
+    engine = engines(mode="tp")
+    requests = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    for _ in range(4):
+        engine.run_step()
+    assert engine.has_step_in_flight
+    engine.forget_in_flight()
+    assert not engine.has_step_in_flight
+    engine.run_until_done(requests)
+    assert [r.output_ids for r in requests] == tp_outputs
+    assert all(r.preemptions >= 1 for r in requests)
+
+
 def test_bad_input_is_rejected_and_loses_nothing(engines):
     engine = engines(mode="tp")
     with pytest.raises(ValueError, match="max_model_len"):

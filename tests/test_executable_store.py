@@ -90,6 +90,11 @@ def test_any_change_to_what_the_lowering_depends_on_is_a_miss(weights, tmp_path,
     narrower = Engine(weights, EngineConfig(**OPTIONS | {"max_top_logprobs": 0}, executable_store=store))
     assert narrower.executables.loaded_from_store == 0 and len(lowered_steps) == 4
     lowered_steps.clear()
+    # the rows of every step's result (the largest sequence bucket), even for a step of the same bucket
+    wider = Engine(weights, EngineConfig(**OPTIONS | {"seq_buckets": (4, 8), "max_num_seqs": 8},
+                                         executable_store=store))
+    assert wider.executables.loaded_from_store == 0 and ("tp", 4, 4) in lowered_steps
+    lowered_steps.clear()
     # the package's source
     monkeypatch.setattr(executable_store, "source_fingerprint", lambda: "an edited kernel")
     edited = Engine(weights, EngineConfig(**OPTIONS, executable_store=store))

@@ -323,7 +323,7 @@ def test_a_failing_request_fails_alone(service, reference, monkeypatch):
 
 
 def test_a_failing_step_fails_its_requests_and_serving_goes_on(service, engine, reference, monkeypatch):
-    real_get, calls = engine.executables.get, []
+    real_get, calls, donated = engine.executables.get, [], []
 
     def get(*key):
         calls.append(key)
@@ -331,8 +331,9 @@ def test_a_failing_step_fails_its_requests_and_serving_goes_on(service, engine, 
         if len(calls) != 2:
             return executable
 
-        def fails_after_donating(params, caches, batch):
-            executable(params, caches, batch)  # the caches are donated, then gone
+        def fails_after_donating(*args):
+            executable(*args)  # the caches are donated, then gone
+            donated.append(args[1])
             raise RuntimeError("an injected device error")
 
         return fails_after_donating
@@ -347,6 +348,8 @@ def test_a_failing_step_fails_its_requests_and_serving_goes_on(service, engine, 
     failed, after = asyncio.run(main())
     assert isinstance(failed, RequestFailed)
     assert [t for d in after for t in d.token_ids] == reference[1]  # on reallocated caches
+    [lost] = donated
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(lost))  # the failure did consume them
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(engine.caches))
 
 
