@@ -86,8 +86,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--baseline", default=None, help="a git revision to measure alongside")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="tiny: 1 and 4 sequences, HEAD as the baseline")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    if args.smoke:
+        args.seqs, args.context, args.steps, args.repeats, args.baseline = [1, 4], 40, 10, 2, "HEAD"
     modules = {"this tree": current}
     if args.baseline:
         modules[args.baseline] = scheduler_at(args.baseline)
