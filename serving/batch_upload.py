@@ -20,11 +20,11 @@ import numpy as np
 from flax import struct
 from jaxtyping import Int
 
-from shiftjax.batch import BatchArray, StepBatch
+from shiftjax.batch import PER_SEQUENCE_FIELDS, PER_TOKEN_FIELDS, BatchArray, StepBatch
 from shiftjax.pytrees import unchecked_init
 
-TOKEN_ROWS = ("token_ids", "positions", "slot_mapping")  # then token_source
-SEQUENCE_COLUMNS = ("seq_lens", "sample_index", "temperature", "top_p", "top_k", "seed", "min_p", "top_logprobs")
+TOKEN_ROWS = PER_TOKEN_FIELDS  # then token_source
+SEQUENCE_COLUMNS = PER_SEQUENCE_FIELDS
 FLOAT32 = frozenset({"temperature", "top_p", "min_p"})
 FIRST_PAGE_COLUMN = 1 + len(SEQUENCE_COLUMNS)  # after query_start and SEQUENCE_COLUMNS
 

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jaxtyping import Array, Int
 
-from shiftjax.batch import StepBatch, empty_batch
+from shiftjax.batch import PER_SEQUENCE_FIELDS, PER_TOKEN_FIELDS, StepBatch, empty_batch
 from shiftjax.cache import KVCache
 from shiftjax.layouts.specs import REPLICATED
 from shiftjax.serving.batch_upload import BatchUpload, abstract_upload, pack_batch, unpack_batch
@@ -99,9 +99,9 @@ def pad_batch(batch: StepBatch, num_tokens: int, num_seqs: int) -> StepBatch:
     sequences are empty and sample nothing."""
     padded = empty_batch(num_tokens, num_seqs, batch.page_table.shape[1])
     n, b = batch.num_tokens, batch.num_seqs
-    for name in ("token_ids", "positions", "slot_mapping"):
+    for name in PER_TOKEN_FIELDS:
         getattr(padded, name)[:n] = getattr(batch, name)
-    for name in ("seq_lens", "sample_index", "temperature", "top_p", "top_k", "seed", "min_p", "top_logprobs"):
+    for name in PER_SEQUENCE_FIELDS:
         getattr(padded, name)[:b] = getattr(batch, name)
     padded.page_table[:b] = batch.page_table
     padded.query_start[:b + 1] = batch.query_start
@@ -336,10 +336,10 @@ class JaxCompileEvents:
 
 
 def to_device(batch: StepBatch, weights: ModelWeights) -> StepBatch:
-    """The host batch, replicated on the mesh; every process holds the same host batch
-    (the scheduler is deterministic), so each places only its own devices' copies. (One
-    batched ``device_put`` was slower on 2x H200: 1.09 against 0.82 ms for a 64-sequence
-    batch, benchmarks/x2_results.md.)"""
+    """The host batch, replicated on the mesh, as ``make_step``'s step takes it (tests,
+    benchmarks, notebooks; the engine places :func:`place_upload`'s two arrays instead).
+    Every process holds the same host batch (the scheduler is deterministic), so each
+    places only its own devices' copies."""
     sharding = batch_sharding(weights)
     return jax.tree.map(lambda x: _place(x, sharding), batch)
 

@@ -51,6 +51,12 @@ class StepBatch:
         return self.seq_lens.shape[0]
 
 
+# The fields of one entry per token and of one entry per sequence (besides query_start,
+# which has one more, and page_table, one row per sequence).
+PER_TOKEN_FIELDS = ("token_ids", "positions", "slot_mapping")
+PER_SEQUENCE_FIELDS = ("seq_lens", "sample_index", "temperature", "top_p", "top_k", "seed", "min_p", "top_logprobs")
+
+
 def empty_batch(num_tokens: int, num_seqs: int, max_pages: int) -> StepBatch:
     """An all-padding host batch of the given bucket, to fill in or to compile against."""
     return StepBatch(
