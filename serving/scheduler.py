@@ -293,7 +293,7 @@ class Scheduler:
             known = request.token_slice(first, size)
             token_ids += known
             if len(known) < size:  # a decode of the token the uncommitted step samples
-                token_ids.append(0)
+                token_ids += [0] * (size - len(known))
                 token_source[int(ends[b]) - 1] = request.pending_source[1]
             reaches_end = first + size == request.num_tokens + request.num_pending
             samples.append(reaches_end)
