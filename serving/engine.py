@@ -292,8 +292,8 @@ class Engine:
         """Runs one step (None when there is nothing to run) and says what it did: one turn
         of :meth:`advance`, whose first failure it raises (:class:`StepFailed`, naming the
         requests the failed step had scheduled; the caller fails them; the requests of a
-        second failure in the same turn were preempted and recompute). A step stays in flight
-        when it returns."""
+        second failure in the same turn were preempted and recompute). The next step, if
+        there is work, stays in flight when it returns."""
         turn = self.advance()
         if turn is None:
             return None
@@ -303,7 +303,7 @@ class Engine:
 
     @property
     def has_step_in_flight(self) -> bool:
-        """Whether a step is launched and not finished (async scheduling keeps one)."""
+        """Whether a step is launched and not finished (between turns, one is while there is work)."""
         return self._in_flight is not None
 
     def advance(self) -> PipelineTurn | None:

@@ -43,8 +43,8 @@ class SamplingParams:
             refuse("temperature", "must be a finite number >= 0")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             refuse("top_p", "must be in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            refuse("top_k", "must be an integer >= 0 (0 disables it)")
+        if not _is_int(self.top_k) or not 0 <= self.top_k < 2**31:  # an int32 in the step's batch
+            refuse("top_k", "must be an integer in [0, 2**31) (0 disables it)")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             refuse("min_p", "must be in [0, 1] (0 disables it)")
         if not _is_int(self.seed) or not 0 <= self.seed < 2**31:

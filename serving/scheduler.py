@@ -47,7 +47,7 @@ class Request:
     finish_reason: str | None = None
     modes: list[str] = dataclasses.field(default_factory=list)  # mode of every step it ran in
     preemptions: int = 0
-    _page_array: np.ndarray | None = dataclasses.field(default=None, repr=False)
+    _page_array: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def page_array(self) -> np.ndarray:
         """``pages`` as int32, converted again only when pages were added (the scheduler
@@ -78,6 +78,11 @@ class Request:
     def num_scheduled(self) -> int:
         """Tokens whose K/V are in the cache or on their way there: where the next chunk starts."""
         return self.num_computed + self.num_in_flight
+
+    @property
+    def ends_in_flight(self) -> bool:
+        """A step in flight samples its last token (max_tokens): it ends at that commit."""
+        return self.num_pending > 0 and len(self.output_ids) + self.num_pending >= self.params.max_tokens
 
     @property
     def wants_decode(self) -> bool:
@@ -220,8 +225,12 @@ class Scheduler:
                 request.pages += self.allocator.allocate(needed)
                 return True
             except OutOfPages:
+                # Not a request whose step in flight samples its last token: it frees its pages
+                # at that commit, and preempting it would throw that token away, which with two
+                # such requests taking turns never ends (async scheduling).
                 victims = [r for r in self.running
-                           if r is not request and all(r is not c for c, _ in self._chunks)]
+                           if r is not request and all(r is not c for c, _ in self._chunks)
+                           and not r.ends_in_flight]
                 if not preempt or not victims:
                     return False
                 self._preempt(victims[-1])
@@ -284,7 +293,10 @@ class Scheduler:
         batch.positions[:] = positions
         page_arrays = [request.page_array() for request in requests]
         num_pages = np.array([len(pages) for pages in page_arrays])
-        batch.page_table[np.arange(batch.page_table.shape[1]) < num_pages[:, None]] = np.concatenate(page_arrays)
+        # row b's pages at flat offsets b * max_pages + 0..len-1 (cost in real pages, not rows x max_pages)
+        starts = np.repeat(np.arange(len(chunks)) * batch.page_table.shape[1] - (np.cumsum(num_pages) - num_pages),
+                           num_pages)
+        batch.page_table.reshape(-1)[starts + np.arange(int(num_pages.sum()))] = np.concatenate(page_arrays)
         batch.slot_mapping[:] = batch.page_table[row, positions // page_size] * page_size + positions % page_size
         token_ids, token_source = [], np.full(num_tokens, -1, np.int32)
         samples, sampled_rows, sampled_params = [], [], []

@@ -295,11 +295,15 @@ class AsyncEngineService:
                 live = self._by_request.get(request)
                 if live is not None and live.first_scheduled is None:
                     live.first_scheduled = now
+        report = turn.finished
+        if report is not None:
+            self._record(report)
+            self._make_deltas(report, outgoing)  # first: a request the failed launch fails keeps these
         for failure in turn.failed:
             self._fail_step(failure, outgoing)
-        report = turn.finished
-        if report is None:
-            return
+
+    def _record(self, report: StepReport) -> None:
+        """The step's metrics and its line in the step trace."""
         self._observe("on_step", mode=report.mode, num_tokens=report.num_tokens, num_seqs=len(report.requests),
                       seconds=report.seconds, switched=report.switched)
         scheduler = self.engine.scheduler
@@ -308,7 +312,6 @@ class AsyncEngineService:
                 "waiting": len(scheduler.waiting) + len(self._inbox), "seconds": report.seconds}
         with self._step_trace_lock:
             self._step_trace.append(step)
-        self._make_deltas(report, outgoing)
 
     def step_trace(self) -> list[dict]:
         """The last ``STEP_TRACE_STEPS`` steps, oldest first: Unix ``time`` at the step's

@@ -332,7 +332,7 @@ def test_bad_input_is_rejected_and_loses_nothing(engines):
 
 
 @pytest.mark.parametrize("field,value", [("temperature", -1.0), ("temperature", float("nan")),
-                                         ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
+                                         ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("top_k", 2**31),
                                          ("max_tokens", 0), ("seed", -3)])
 def test_sampling_params_are_validated(field, value):
     with pytest.raises(ValueError, match=field):

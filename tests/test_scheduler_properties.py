@@ -158,3 +158,23 @@ def test_token_slice_equals_slicing_the_whole_list():
     for first in range(10):
         for size in range(10 - first):  # past the known tokens too: a decode of a pending one
             assert request.token_slice(first, size) == request.tokens[first:first + size]
+
+
+def test_requests_ending_in_flight_are_not_preempted_in_turn_for_ever():
+    """Async scheduling under page pressure: a request whose step in flight samples its last
+    token is no preemption victim (it frees its pages at that commit). Preempting it threw
+    that token away, and two such requests took turns preempting each other for ever."""
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=3, max_model_len=48,
+                                          page_size=8, num_pages=7))
+    shapes = [(18, 1), (17, 16), (3, 26), (6, 17), (6, 23), (9, 21), (2, 30)]  # (prompt, max_tokens)
+    requests = [scheduler.add([5 + i] * prompt, SamplingParams(max_tokens=most, ignore_eos=True), ())
+                for i, (prompt, most) in enumerate(shapes)]
+    in_flight, steps = None, 0
+    while not all(r.finished for r in requests) and steps < 1000:
+        step = scheduler.schedule()  # step N+1 before N is committed
+        if in_flight is not None:
+            n = len(in_flight.requests)
+            scheduler.commit(in_flight, np.full(n, 7, np.int32), np.zeros(n, np.float32), "tp")
+        in_flight, steps = step, steps + 1
+    assert all(r.finished for r in requests), f"{scheduler.num_preemptions} preemptions in {steps} steps"
+    assert [len(r.output_ids) for r in requests] == [most for _, most in shapes]
