@@ -162,7 +162,8 @@ def device_time(fn, args, iters, top=0, quiet=False):
         if not quiet:
             print(f"  (profiler failed: {type(e).__name__}: {str(e)[:120]})", flush=True)
         return None
-    ev = [e for events in _device_events(pd).values() for e in events]
+    planes = [events for events in _device_events(pd).values() if events]
+    ev = [e for events in planes for e in events]
     if len(ev) < iters:
         return None
     ev.sort()
@@ -186,6 +187,7 @@ def device_time(fn, args, iters, top=0, quiet=False):
             a[0] += x[2]
             a[1] += 1
         out["top"] = sorted(((v[0] * 1e-9 / iters, v[1] / iters, k) for k, v in agg.items()), reverse=True)[:top]
+        out["by_kind"] = kernel_breakdown(ev, iters * len(planes), top=0)["by_kind"]  # per device
     return out
 
 

@@ -157,7 +157,7 @@ def time_steps(weights, mesh, shapes: dict, *, attention: str, profile: bool, nu
                "command_buffer_calls": executable.as_text().count("to_apply=%command_buffer")}
         span = device_time(run, (batch,), iters=8, top=5) if profile else None
         if span:
-            row.update(span_ms=span["span"] * 1e3, kernels_per_step=span["kernels"],
+            row.update(span_ms=span["span"] * 1e3, kernels_per_step=span["kernels"], by_kind=span["by_kind"],
                        top=[(round(a * 1e3, 3), c, k) for a, c, k in span["top"]])
         else:
             row["span_ms"] = None  # no device trace here (CPU): wall time only
@@ -166,6 +166,9 @@ def time_steps(weights, mesh, shapes: dict, *, attention: str, profile: bool, nu
         log(f"  {dict(mesh.shape)} {mode:2s} {name:10s} wall {row['wall_ms']:8.2f} ms  device span {span_text}  "
             f"launch {row['call_ms']:.2f} ms  command buffers {row['command_buffer_calls']}  "
             f"kernels {row.get('kernels_per_step', 'n/a')}")
+        if row.get("by_kind"):
+            log("      per device: " + ", ".join(f"{kind} {v['ms']:.2f} ms x{v['count']:.0f}"
+                                              for kind, v in sorted(row["by_kind"].items())))
     return out
 
 
@@ -284,6 +287,96 @@ def command_buffer_variants(smoke: bool, attention: str, profile: bool) -> dict:
     shapes = {("tp", "dec8"): decode_batch(8, ctx, max_pages), ("tp", "dec64"): decode_batch(64, ctx, max_pages)}
     variants = {"default": None, "off": {"xla_gpu_enable_command_buffer": ""}, "every_kind": COMMAND_BUFFER_OPTIONS}
     return _option_variants(smoke, attention, profile, mesh, weights, shapes, variants, sample_in_step=False)
+
+
+def levers(smoke: bool, attention: str, profile: bool) -> dict:
+    """Where a TP decode step's launch and GEMM time go, and what SP costs against DP, in one
+    part (mesh (2, 1): both modes, as ``serve --sp 2``; steps without the in-step sampler, as
+    the engine's):
+
+    - ``default`` / ``cublas`` (every GEMM by cuBLAS instead of autotuned Triton: small-M
+      GEMMs, and compile time) / ``one_shot`` (XLA's one-shot all-reduce kernel) on decode
+      steps at the engine's buckets, and on the SP, TP and DP prefill of equal work;
+    - ``dec1`` against ``dec1_in_8``: one decoding sequence in a 1- and an 8-sequence bucket
+      (what a sequence bucket saves);
+    - one GPU running half the heads and half the MLP (a TP shard's work, with the whole
+      vocabulary) with no collectives: how much of the launch the all-reduces cost;
+    - one GPU with the whole model prefilling one prompt: DP's share of the equal work.
+    """
+    from shiftjax.serving.executables import pad_batch
+
+    config = big_config(smoke)
+    ctx, prompt, max_pages = (64, 64, 8) if smoke else (1024, 2048, 260)
+    num_pages = 64 * (ctx // PAGE + 1) + 2
+    decode = {("tp", "dec1"): pad_batch(decode_batch(1, ctx, max_pages), 16, 1),
+              ("tp", "dec1_in_8"): pad_batch(decode_batch(1, ctx, max_pages), 16, 8),
+              ("tp", "dec8"): pad_batch(decode_batch(8, ctx, max_pages), 16, 8),
+              ("tp", "dec64"): decode_batch(64, ctx, max_pages)}
+    prefill = {("sp", "pre2x2048"): prefill_batch(2, prompt, max_pages),
+               ("tp", "pre2x2048"): prefill_batch(2, prompt, max_pages),
+               ("sp", "pre4096"): prefill_batch(1, 2 * prompt, 2 * max_pages),
+               ("tp", "pre4096"): prefill_batch(1, 2 * prompt, 2 * max_pages)}
+    if smoke:
+        decode, prefill = dict(list(decode.items())[:2]), dict(list(prefill.items())[:1])
+    cublas = {"xla_gpu_enable_triton_gemm": False}
+    one_shot = {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True}
+    steps = functools.partial(time_steps, attention=attention, profile=profile, num_pages=num_pages,
+                              sample_in_step=False)
+    out = {}
+    mesh = make_mesh(2, 1, jax.devices()[:2])
+    weights = shard_params(device_random_params(config, jnp.bfloat16), config, mesh)
+    out["weight_bytes_per_device"] = weight_bytes_per_device(weights, mesh)
+    for name, options in (("default", None), ("cublas", cublas)):
+        if smoke and options:
+            continue  # GPU-only options
+        log(f"  variant {name}")
+        out[name] = steps(weights, mesh, {**decode, **prefill}, compiler_options=options)
+    del weights
+    one = make_mesh(1, 1, jax.devices()[:1])
+    half = dataclasses.replace(config, num_heads=config.num_heads // 2, num_kv_heads=config.num_kv_heads // 2,
+                               intermediate_size=config.intermediate_size // 2)
+    weights = shard_params(device_random_params(half, jnp.bfloat16), half, one)
+    log("  variant one_gpu_half_model (a TP shard's work, no collectives)")
+    out["one_gpu_half_model"] = steps(weights, one, {k: v for k, v in decode.items() if k[1] != "dec1_in_8"})
+    out["one_gpu_half_model"]["weight_bytes_per_device"] = weight_bytes_per_device(weights, one)
+    del weights
+    weights = shard_params(device_random_params(config, jnp.bfloat16), config, one)
+    dp = {("tp", "pre1x2048"): prefill_batch(1, prompt, max_pages)}
+    for name, options in (("dp_default", None), ("dp_cublas", cublas)):
+        if smoke and options:
+            continue
+        log(f"  variant {name} (one GPU, whole model)")
+        out[name] = steps(weights, one, dp, compiler_options=options)
+    del weights
+    if not smoke:  # last: the least likely to matter
+        weights = shard_params(device_random_params(config, jnp.bfloat16), config, mesh)
+        log("  variant one_shot")
+        out["one_shot"] = steps(weights, mesh, decode, compiler_options=one_shot)
+    return out
+
+
+def dummy_load(smoke: bool) -> dict:
+    """Seconds ``--load-format dummy`` takes for the 8B shape at ``--sp 2``, twice in one
+    process (the second reuses the first's programs: what is left is generating), with JAX's
+    trace, lowering and compile time of each from ``jax.monitoring``."""
+    from shiftjax.checkpoints.dummy import dummy_weights
+
+    config = big_config(smoke)
+    mesh = make_mesh(2, 1, jax.devices()[:2])
+    events = collections.defaultdict(float)
+    jax.monitoring.register_event_duration_secs_listener(lambda name, secs, **_: events.__setitem__(name, events[name] + secs))
+    out = {}
+    for attempt in ("first", "again"):
+        events.clear()
+        start = time.perf_counter()
+        weights = dummy_weights(config, mesh=mesh, dtype="bfloat16")
+        jax.block_until_ready(jax.tree.leaves(weights))
+        seconds = time.perf_counter() - start
+        out[attempt] = {"seconds": seconds, "jax_events_s": {k.rsplit("/", 1)[-1]: v for k, v in events.items()}}
+        log(f"  dummy weights, {attempt}: {seconds:.2f} s; " + ", ".join(
+            f"{k} {v:.2f} s" for k, v in out[attempt]["jax_events_s"].items()))
+        del weights
+    return out
 
 
 def _option_variants(smoke, attention, profile, mesh, weights, shapes, variants, **step_options) -> dict:
@@ -569,6 +662,8 @@ def main() -> int:
                "allreduce": lambda: allreduce_variants(args.smoke, attention, profile),
                "collectives": lambda: collectives(args.smoke),
                "cmdbuf": lambda: command_buffer_variants(args.smoke, attention, profile),
+               "levers": lambda: levers(args.smoke, attention, profile),
+               "dummy": lambda: dummy_load(args.smoke),
                "engine": lambda: engine_loop(args.smoke, attention, args.engine_variants.split(","),
                                              args.engine_rounds)}
     parts = [p for p in args.parts.split(",") if p]
