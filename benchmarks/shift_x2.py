@@ -428,10 +428,11 @@ COMMAND_BUFFER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLAS
 
 @contextlib.contextmanager
 def _step_variant(variant: str):
-    """``shipped``: the engine as it is. ``in_step_sampler``: its steps made with the
+    """``shipped``: the engine as it is. ``triton_gemm``: its steps with XLA's autotuned
+    Triton GEMMs (the default before cuBLAS). ``in_step_sampler``: its steps made with the
     in-step sampler of before (whose ``lax.cond`` skips blocked the host on the GPU).
     ``command_buffers``: its steps compiled with ``COMMAND_BUFFER_OPTIONS``."""
-    if variant == "shipped":
+    if variant in ("shipped", "triton_gemm"):  # the latter an EngineConfig field (engine_loop)
         yield
         return
     if variant == "command_buffers":
@@ -513,7 +514,8 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
                                                   max_num_batched_tokens=prefill_budget,
                                                   token_buckets=(64, prefill_budget),
                                                   seq_buckets=seq_counts, mode="tp", attention=attention,
-                                                  layer_loop="unrolled"))
+                                                  layer_loop="unrolled",
+                                                  gemm="triton" if variant == "triton_gemm" else "cublas"))
         out[f"{variant}:startup"] = {"seconds": time.perf_counter() - started, "phases": engine.startup_seconds}
         engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
         engine.scheduler.commit = clock.wrap("commit", engine.scheduler.commit)
@@ -636,7 +638,8 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on 4 virtual CPU devices")
     parser.add_argument("--parts", default=PARTS)
     parser.add_argument("--engine-variants", default="shipped,in_step_sampler",
-                        help="engines the engine part measures: shipped, command_buffers (compiled with "
+                        help="engines the engine part measures: shipped, triton_gemm (XLA's Triton GEMMs "
+                             "instead of cuBLAS), command_buffers (compiled with "
                              "COMMAND_BUFFER_OPTIONS), in_step_sampler (the steps sample in the step, with "
                              "the conditionals that blocked the host)")
     parser.add_argument("--engine-rounds", type=int, default=2,

@@ -60,6 +60,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--seq-buckets", type=_id_list, default=None, metavar="1,4,8",
                         help="sequence counts to compile a step for (default: 4**i up to the max)")
     engine.add_argument("--attention", choices=("reference", "pallas", "auto"), default="auto")
+    engine.add_argument("--gemm", choices=("cublas", "triton"), default="cublas",
+                        help="who runs the GEMMs on GPUs: cuBLAS, or XLA's autotuned Triton GEMMs "
+                             "(slower to compile, no faster on the H200)")
     engine.add_argument("--max-top-logprobs", type=int, default=20,
                         help="alternatives per token a request may ask for (0: none; a narrower step result)")
     engine.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
@@ -113,7 +116,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     """The :class:`EngineConfig` fields the arguments set."""
     return dict(mode=args.mode, shift_threshold=args.shift_threshold, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_queue=args.max_queue, page_size=args.page_size, attention=args.attention,
+                max_queue=args.max_queue, page_size=args.page_size, attention=args.attention, gemm=args.gemm,
                 token_buckets=args.token_buckets, seq_buckets=args.seq_buckets, num_pages=args.num_pages,
                 kv_memory_fraction=args.kv_memory_fraction, max_top_logprobs=args.max_top_logprobs,
                 async_scheduling=args.async_scheduling,

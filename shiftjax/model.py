@@ -62,6 +62,9 @@ class Context:
         self.metadata = AttentionMetadata(
             query_start=batch.query_start, seq_lens=batch.seq_lens, page_table=batch.page_table)
 
+    def with_batch(self, batch: StepBatch) -> "Context":
+        return Context(self.dims, self.eps, self.inv_freq, batch, self.attention)
+
 
 def attention_core(
     qkv: Float[Array, "tokens qkv"],
@@ -181,9 +184,16 @@ def run_layers(layer_fn, x, layers: LayerWeights, k_cache, v_cache, ctx: Context
     """
     num_layers = layers.attn_norm.shape[0]
     if unrolled:
+        # The layer is traced and lowered once and called num_layers times (XLA inlines the
+        # calls, so the program is the same): lowering a Pallas kernel takes ~50 ms, and
+        # with every layer lowered apart, an 8B step spent ~5 s of its start-up there.
+        @jax.jit
+        def layer(x, weights, k_cache, v_cache, index, batch):
+            return layer_fn(x, weights, k_cache, v_cache, index, ctx.with_batch(batch))
+
         for i in range(num_layers):
             weights = jax.tree.map(lambda w, i=i: w[i], layers)
-            x, k_cache, v_cache = layer_fn(x, weights, k_cache, v_cache, jnp.int32(i), ctx)
+            x, k_cache, v_cache = layer(x, weights, k_cache, v_cache, jnp.int32(i), ctx.batch)
         return x, k_cache, v_cache
 
     def body(carry, xs):
