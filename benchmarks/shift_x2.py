@@ -429,18 +429,21 @@ COMMAND_BUFFER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLAS
 @contextlib.contextmanager
 def _step_variant(variant: str):
     """``shipped``: the engine as it is. ``triton_gemm``: its steps with XLA's autotuned
-    Triton GEMMs (the default before cuBLAS). ``in_step_sampler``: its steps made with the
+    Triton GEMMs (the default before cuBLAS). ``small_graphs``: its steps compiled with XLA's
+    default command buffer kinds down to one command (default: five; a run of fewer
+    commands between two collectives is launched command by command). ``in_step_sampler``: its steps made with the
     in-step sampler of before (whose ``lax.cond`` skips blocked the host on the GPU).
     ``command_buffers``: its steps compiled with ``COMMAND_BUFFER_OPTIONS``."""
     if variant in ("shipped", "triton_gemm"):  # the latter an EngineConfig field (engine_loop)
         yield
         return
-    if variant == "command_buffers":
+    if variant in ("command_buffers", "small_graphs"):
         target, name = jax.stages.Lowered, "compile"
         compile_lowered = jax.stages.Lowered.compile
+        extra = COMMAND_BUFFER_OPTIONS if variant == "command_buffers" else {"xla_gpu_graph_min_graph_size": "1"}
 
         def replacement(self, compiler_options=None, **kwargs):
-            return compile_lowered(self, {**COMMAND_BUFFER_OPTIONS, **(compiler_options or {})}, **kwargs)
+            return compile_lowered(self, {**extra, **(compiler_options or {})}, **kwargs)
     elif variant == "in_step_sampler":
         target, name = executables_module, "make_step"
         make_step = executables_module.make_step
@@ -559,10 +562,16 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
     finally:
         for name, fn in originals.items():
             setattr(executables_module, name, fn)
-    # greedy decoding: every variant, loop and round must generate the same tokens
-    out["same_tokens_everywhere"] = all(
-        ids == outputs[f"{variants[0]}:sync:dec{key.split(':dec')[1].split(':')[0]}:r0"] for key, ids in outputs.items())
-    log(f"  the same greedy tokens in every variant, loop and round: {out['same_tokens_everywhere']}")
+    # Greedy decoding: every loop and round of a variant must generate the same tokens. Across
+    # variants only where their arithmetic is the same (cuBLAS and Triton GEMMs round bf16
+    # differently, and random weights leave near-ties), so that is reported, not required.
+    def reference(key, variant):
+        return outputs[f"{variant}:sync:dec{key.split(':dec')[1].split(':')[0]}:r0"]
+
+    out["same_tokens_within_variants"] = all(ids == reference(key, key.split(":")[0]) for key, ids in outputs.items())
+    out["same_tokens_everywhere"] = all(ids == reference(key, variants[0]) for key, ids in outputs.items())
+    log(f"  the same greedy tokens in every loop and round of each variant: {out['same_tokens_within_variants']}; "
+        f"in every variant: {out['same_tokens_everywhere']}")
     return out
 
 
@@ -639,7 +648,8 @@ def main() -> int:
     parser.add_argument("--parts", default=PARTS)
     parser.add_argument("--engine-variants", default="shipped,in_step_sampler",
                         help="engines the engine part measures: shipped, triton_gemm (XLA's Triton GEMMs "
-                             "instead of cuBLAS), command_buffers (compiled with "
+                             "instead of cuBLAS), small_graphs (command buffers down to one command), "
+                             "command_buffers (compiled with "
                              "COMMAND_BUFFER_OPTIONS), in_step_sampler (the steps sample in the step, with "
                              "the conditionals that blocked the host)")
     parser.add_argument("--engine-rounds", type=int, default=2,
