@@ -197,7 +197,8 @@ def correctness(smoke: bool, attention: str) -> dict:
         "sp2": (2, 1, jax.devices()[:2], "sp"), "alternate": (2, 1, jax.devices()[:2], "alternate"),
     }.items():
         weights = shard_params(params, config, make_mesh(sp, tp, devices))
-        engine = Engine(weights, EngineConfig(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+        # num_pages given: sized from memory, each engine would take what the one before still holds
+        engine = Engine(weights, EngineConfig(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, num_pages=64,
                                               token_buckets=(8, 64), seq_buckets=(4,), mode=mode,
                                               attention=attention, layer_loop="scan"))
         requests = [engine.add_request(p, greedy) for p in prompts]
@@ -429,18 +430,18 @@ COMMAND_BUFFER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLAS
 @contextlib.contextmanager
 def _step_variant(variant: str):
     """``shipped``: the engine as it is. ``triton_gemm``: its steps with XLA's autotuned
-    Triton GEMMs (the default before cuBLAS). ``small_graphs``: its steps compiled with XLA's
-    default command buffer kinds down to one command (default: five; a run of fewer
-    commands between two collectives is launched command by command). ``in_step_sampler``: its steps made with the
+    Triton GEMMs and XLA's other defaults (what shipped before cuBLAS).
+    ``triton_small_graphs``: Triton GEMMs, command buffers down to one command as shipped
+    (XLA's default: five). ``in_step_sampler``: its steps made with the
     in-step sampler of before (whose ``lax.cond`` skips blocked the host on the GPU).
     ``command_buffers``: its steps compiled with ``COMMAND_BUFFER_OPTIONS``."""
     if variant in ("shipped", "triton_gemm"):  # the latter an EngineConfig field (engine_loop)
         yield
         return
-    if variant in ("command_buffers", "small_graphs"):
+    if variant in ("command_buffers", "triton_small_graphs"):
         target, name = jax.stages.Lowered, "compile"
         compile_lowered = jax.stages.Lowered.compile
-        extra = COMMAND_BUFFER_OPTIONS if variant == "command_buffers" else {"xla_gpu_graph_min_graph_size": "1"}
+        extra = COMMAND_BUFFER_OPTIONS if variant == "command_buffers" else {"xla_gpu_graph_min_graph_size": 1}
 
         def replacement(self, compiler_options=None, **kwargs):
             return compile_lowered(self, {**extra, **(compiler_options or {})}, **kwargs)
@@ -518,7 +519,7 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
                                                   token_buckets=(64, prefill_budget),
                                                   seq_buckets=seq_counts, mode="tp", attention=attention,
                                                   layer_loop="unrolled",
-                                                  gemm="triton" if variant == "triton_gemm" else "cublas"))
+                                                  gemm="triton" if variant.startswith("triton") else "cublas"))
         out[f"{variant}:startup"] = {"seconds": time.perf_counter() - started, "phases": engine.startup_seconds}
         engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
         engine.scheduler.commit = clock.wrap("commit", engine.scheduler.commit)
@@ -648,7 +649,8 @@ def main() -> int:
     parser.add_argument("--parts", default=PARTS)
     parser.add_argument("--engine-variants", default="shipped,in_step_sampler",
                         help="engines the engine part measures: shipped, triton_gemm (XLA's Triton GEMMs "
-                             "instead of cuBLAS), small_graphs (command buffers down to one command), "
+                             "and default command buffers), triton_small_graphs (Triton GEMMs, command buffers "
+                             "down to one command), "
                              "command_buffers (compiled with "
                              "COMMAND_BUFFER_OPTIONS), in_step_sampler (the steps sample in the step, with "
                              "the conditionals that blocked the host)")
