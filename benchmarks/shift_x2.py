@@ -429,13 +429,13 @@ COMMAND_BUFFER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLAS
 
 @contextlib.contextmanager
 def _step_variant(variant: str):
-    """``shipped``: the engine as it is. ``triton_gemm``: its steps with XLA's autotuned
-    Triton GEMMs and XLA's other defaults (what shipped before cuBLAS).
-    ``triton_small_graphs``: Triton GEMMs, command buffers down to one command as shipped
+    """``shipped``: the engine as it is (TP steps: XLA's Triton GEMMs and defaults).
+    ``cublas``: its steps with ``gemm="cublas"`` (cuBLAS GEMMs, command buffers down to one
+    command). ``triton_small_graphs``: Triton GEMMs, command buffers down to one command
     (XLA's default: five). ``in_step_sampler``: its steps made with the
     in-step sampler of before (whose ``lax.cond`` skips blocked the host on the GPU).
     ``command_buffers``: its steps compiled with ``COMMAND_BUFFER_OPTIONS``."""
-    if variant in ("shipped", "triton_gemm"):  # the latter an EngineConfig field (engine_loop)
+    if variant in ("shipped", "cublas"):  # the latter an EngineConfig field (engine_loop)
         yield
         return
     if variant in ("command_buffers", "triton_small_graphs"):
@@ -519,7 +519,7 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
                                                   token_buckets=(64, prefill_budget),
                                                   seq_buckets=seq_counts, mode="tp", attention=attention,
                                                   layer_loop="unrolled",
-                                                  gemm="triton" if variant.startswith("triton") else "cublas"))
+                                                  gemm="cublas" if variant == "cublas" else "auto"))
         out[f"{variant}:startup"] = {"seconds": time.perf_counter() - started, "phases": engine.startup_seconds}
         engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
         engine.scheduler.commit = clock.wrap("commit", engine.scheduler.commit)
@@ -648,9 +648,8 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on 4 virtual CPU devices")
     parser.add_argument("--parts", default=PARTS)
     parser.add_argument("--engine-variants", default="shipped,in_step_sampler",
-                        help="engines the engine part measures: shipped, triton_gemm (XLA's Triton GEMMs "
-                             "and default command buffers), triton_small_graphs (Triton GEMMs, command buffers "
-                             "down to one command), "
+                        help="engines the engine part measures: shipped, cublas (gemm='cublas'), "
+                             "triton_small_graphs (Triton GEMMs, command buffers down to one command), "
                              "command_buffers (compiled with "
                              "COMMAND_BUFFER_OPTIONS), in_step_sampler (the steps sample in the step, with "
                              "the conditionals that blocked the host)")

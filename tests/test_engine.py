@@ -400,3 +400,26 @@ def test_allocator_never_hands_out_the_scratch_page():
     allocator = PageAllocator(5)
     pages = allocator.allocate(4)
     assert sorted(pages) == [1, 2, 3, 4] and allocator.num_free == 0
+
+
+def test_gemm_backend_options():
+    """Who runs the GEMMs is an XLA compile option on GPUs only; ``auto`` gives TP steps
+    Triton (one sequence's latency) and SP steps cuBLAS (prefill, compile time)."""
+    cublas = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_graph_min_graph_size": 1}
+    assert exe.xla_compiler_options("auto", "tp", "gpu") is None
+    assert exe.xla_compiler_options("auto", "sp", "gpu") == cublas
+    assert exe.xla_compiler_options("cublas", "tp", "gpu") == cublas
+    assert exe.xla_compiler_options("triton", "sp", "gpu") is None
+    assert all(exe.xla_compiler_options(g, m, "cpu") is None for g in exe.GEMM_BACKENDS for m in ("tp", "sp"))
+    with pytest.raises(ValueError, match="gemm must be one of"):
+        exe.xla_compiler_options("cutlass", "tp", "gpu")
+    with pytest.raises(ValueError, match="gemm must be one of"):
+        EngineConfig(gemm="cutlass")
+
+    from shiftjax.serving.engine_args import engine_options
+    from shiftjax.serving.serve_cli import _parser
+
+    assert engine_options(_parser().parse_args([]))["gemm"] == "auto"
+    assert EngineConfig(**engine_options(_parser().parse_args(["--gemm", "cublas"]))).gemm == "cublas"
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--gemm", "cutlass"])

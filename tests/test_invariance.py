@@ -1,5 +1,6 @@
 """One KV cache for both modes: byte-identical pages, the same arrays and specs, donated in place."""
 
+import dataclasses
 import re
 
 import jax
@@ -96,3 +97,30 @@ def test_executables_share_the_cache_and_donate_it(params):
     # Running them really donates: the input buffers are consumed.
     out, new_caches = compiled["sp"](params_for(weights, "sp"), caches, batch)
     assert caches.k.is_deleted() and not new_caches.k.is_deleted()
+
+
+def test_unrolled_layers_lower_one_layer_and_update_the_cache_in_place(params):
+    """The unrolled loop calls one jitted layer: its Pallas kernels are lowered once, not per
+    layer (lowering was most of an 8B step's start-up), and after XLA inlines the calls the
+    caches are still updated in place."""
+    config = dataclasses.replace(CONFIG, num_layers=3)
+    results, weights = run_scenario(random_params(config, seed=3), config, 2, 2, {"tp": ["tp"]})
+    caches = results["tp"][1]
+    batch = jax.tree.map(jnp.asarray, stepping.build_batch(stepping.scenario(config.vocab_size)[0], [0, 0]))
+    args = (params_for(weights, "tp"), caches, batch)
+
+    # Lowered for CUDA (no GPU needed): one layer function, a call per layer, each Pallas
+    # kernel (prefill and decode attention) once.
+    cuda = make_step(weights, "tp", attention="pallas", layer_loop="unrolled").trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"func\.func private @(layer\w*)", cuda) == ["layer"]
+    assert len(re.findall(r"call @layer\(", cuda)) == config.num_layers
+    assert cuda.count("custom_call @__gpu$xla.gpu.triton") == 2
+
+    hlo = make_step(weights, "tp", attention="reference", layer_loop="unrolled").lower(*args).compile().as_text()
+    local_shape = caches.k.addressable_shards[0].data.shape
+    aliases = re.search(r"input_output_alias=\{(.*?)\}, entry", hlo).group(1)
+    aliased_params = {int(p) for p in re.findall(r"\((\d+), \{\}, may-alias\)", aliases)}
+    cache_params = _cache_param_indices(hlo, local_shape)
+    assert len(cache_params) == 2 and set(cache_params) <= aliased_params, aliases
+    assert not re.search(r"= [a-z0-9]+\[%s\]\{[^}]*\} copy\(" % ",".join(map(str, local_shape)), hlo)
