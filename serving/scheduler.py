@@ -276,9 +276,16 @@ class Scheduler:
         if len(sources) > 1:
             raise RuntimeError(f"a step would take sampled tokens from steps {sorted(sources)}: "
                                "schedule at most one step ahead of the last commit")
-        step_id = next(self._step_ids)
         requests = [request for request, _ in chunks]
         sizes = np.array([size for _, size in chunks], np.int64)
+        # What the whole-array fill below relies on (every schedule() path keeps both): a
+        # chunk of no tokens would shift every later row's tokens, a request twice in one
+        # step would be given two sequence rows over the same pages.
+        if len(chunks) and int(sizes.min()) < 1:
+            raise RuntimeError(f"a step's chunk has {int(sizes.min())} tokens; each must have at least one")
+        if len({id(request) for request in requests}) != len(requests):
+            raise RuntimeError("a request appears twice in one step")
+        step_id = next(self._step_ids)
         firsts = np.array([request.num_scheduled for request in requests], np.int64)
         num_tokens = int(sizes.sum())
         batch = empty_batch(num_tokens, len(chunks), self.config.max_pages_per_seq)

@@ -33,7 +33,8 @@ SCRIPTS = {"shift_x2.py": (["--smoke"], "shift_x2.json"),
            "x8_checks.py": (["--dry-run"], "x8_checks.json"),
            "startup.py": (["--smoke"], "startup.json"),
            "replay_check.py": (["--smoke"], "replay_check.json"),
-           "scheduler_host.py": (["--smoke"], "scheduler_host.json")}
+           "scheduler_host.py": (["--smoke"], "scheduler_host.json"),
+           "idle_estimate.py": (["--smoke"], "idle_estimate.json")}
 # restore_gpu.py --smoke runs in tests/test_sharded_restore.py, which checks its phases' results
 SMOKED_ELSEWHERE = {"restore_gpu.py"}
 SLOW = {"shift_x2.py", "x8_checks.py"}  # about a minute of wall clock each on a 2-core machine
@@ -175,3 +176,17 @@ def test_hlo_report_sees_a_layer_slice_in_synthetic_hlo():
     assert len(hlo_moves.find_moves(hlo, stacks, set())) == 1
     assert hlo_moves.leading_one_variants((32, 1, 4096, 6144), 2) == {
         (32, 1, 4096, 6144), (1, 1, 4096, 6144), (1, 4096, 6144), (4096, 6144)}
+
+
+def test_idle_estimate_of_a_measured_engine_run():
+    """idle_estimate.py on the committed 2x H200 engine run: a row per profiled (step, GPU),
+    and counting the all-reduces as idle can only raise the idle fraction."""
+    sys.path.insert(0, str(BENCH))
+    import idle_estimate
+
+    with open(idle_estimate.MEASURED) as f:
+        rows = idle_estimate.estimates(json.load(f)["engine"])
+    assert len(rows) == 3 * 2 * 3 * 2  # variants x loops x sequence counts x GPUs
+    for r in rows:
+        assert r["collective_ms"] > 0 and r["idle_high"] > r["idle_low"]
+        assert 0 < r["idle_high"] < 1 and r["kernel_ms"] > 0

@@ -178,3 +178,18 @@ def test_requests_ending_in_flight_are_not_preempted_in_turn_for_ever():
         in_flight, steps = step, steps + 1
     assert all(r.finished for r in requests), f"{scheduler.num_preemptions} preemptions in {steps} steps"
     assert [len(r.output_ids) for r in requests] == [most for _, most in shapes]
+
+
+def test_a_step_refuses_empty_chunks_and_repeated_requests():
+    """The batch is filled by whole-array operations that need every chunk non-empty and every
+    request once; schedule() keeps both, and _build says so if a change breaks either."""
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64,
+                                          page_size=4, num_pages=16))
+    first = scheduler.add([1, 2, 3], SamplingParams(max_tokens=4), ())
+    second = scheduler.add([4, 5], SamplingParams(max_tokens=4), ())
+    with pytest.raises(RuntimeError, match="at least one"):
+        scheduler._build([(first, 2), (second, 0)])
+    with pytest.raises(RuntimeError, match="twice"):
+        scheduler._build([(first, 1), (first, 1)])
+    step = scheduler.schedule()  # the refused steps left nothing behind
+    assert step is not None and [r is first or r is second for r in step.requests] == [True, True]
