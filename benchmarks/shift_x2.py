@@ -364,19 +364,28 @@ def dummy_load(smoke: bool) -> dict:
 
     config = big_config(smoke)
     mesh = make_mesh(2, 1, jax.devices()[:2])
-    events = collections.defaultdict(float)
-    jax.monitoring.register_event_duration_secs_listener(lambda name, secs, **_: events.__setitem__(name, events[name] + secs))
+    seconds, counts = collections.defaultdict(float), collections.Counter()
+
+    def listen(name, secs, **_):
+        seconds[name.rsplit("/", 1)[-1]] += secs
+        counts[name.rsplit("/", 1)[-1]] += 1
+
     out = {}
-    for attempt in ("first", "again"):
-        events.clear()
-        start = time.perf_counter()
-        weights = dummy_weights(config, mesh=mesh, dtype="bfloat16")
-        jax.block_until_ready(jax.tree.leaves(weights))
-        seconds = time.perf_counter() - start
-        out[attempt] = {"seconds": seconds, "jax_events_s": {k.rsplit("/", 1)[-1]: v for k, v in events.items()}}
-        log(f"  dummy weights, {attempt}: {seconds:.2f} s; " + ", ".join(
-            f"{k} {v:.2f} s" for k, v in out[attempt]["jax_events_s"].items()))
-        del weights
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for attempt in ("first", "again"):
+            seconds.clear()
+            counts.clear()
+            start = time.perf_counter()
+            weights = dummy_weights(config, mesh=mesh, dtype="bfloat16")
+            jax.block_until_ready(jax.tree.leaves(weights))
+            out[attempt] = {"seconds": time.perf_counter() - start, "jax_events_s": dict(seconds),
+                            "jax_event_counts": dict(counts)}
+            log(f"  dummy weights, {attempt}: {out[attempt]['seconds']:.2f} s; " + ", ".join(
+                f"{k} {v:.2f} s x{counts[k]}" for k, v in seconds.items()))
+            del weights
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
     return out
 
 
@@ -429,7 +438,7 @@ COMMAND_BUFFER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLAS
 
 @contextlib.contextmanager
 def _step_variant(variant: str):
-    """``shipped``: the engine as it is (TP steps: XLA's Triton GEMMs and defaults).
+    """``shipped``: the engine as it is (XLA's Triton GEMMs and defaults).
     ``cublas``: its steps with ``gemm="cublas"`` (cuBLAS GEMMs, command buffers down to one
     command). ``triton_small_graphs``: Triton GEMMs, command buffers down to one command
     (XLA's default: five). ``in_step_sampler``: its steps made with the
@@ -519,7 +528,7 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
                                                   token_buckets=(64, prefill_budget),
                                                   seq_buckets=seq_counts, mode="tp", attention=attention,
                                                   layer_loop="unrolled",
-                                                  gemm="cublas" if variant == "cublas" else "auto"))
+                                                  gemm="cublas" if variant == "cublas" else "triton"))
         out[f"{variant}:startup"] = {"seconds": time.perf_counter() - started, "phases": engine.startup_seconds}
         engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
         engine.scheduler.commit = clock.wrap("commit", engine.scheduler.commit)

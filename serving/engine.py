@@ -54,10 +54,10 @@ class EngineConfig:
     # scan | unrolled | auto (unrolled on GPUs, where the scan copies every layer's weights
     # each step: 2.3x slower decode on the H200; scan elsewhere, for compile time)
     layer_loop: str = "auto"
-    # auto | cublas | triton: who runs the GEMMs on GPUs (executables.xla_compiler_options);
-    # auto: Triton in TP steps (one sequence's decode latency), cuBLAS in SP steps (prefill
-    # 4-7% faster on the H200, compiles ~15x faster)
-    gemm: str = "auto"
+    # triton | cublas: who runs the GEMMs on GPUs, in every step (executables.xla_compiler_options):
+    # cuBLAS compiles ~15x faster and prefills 4-7% faster on the H200, one sequence decodes
+    # 1.07x slower
+    gemm: str = "triton"
     cache_dtype: str | None = None  # default: the weights' dtype
     max_queue: int = 1024
     max_top_logprobs: int = 20  # alternatives a step can return per token (0: none, narrower result)

@@ -60,10 +60,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--seq-buckets", type=_id_list, default=None, metavar="1,4,8",
                         help="sequence counts to compile a step for (default: 4**i up to the max)")
     engine.add_argument("--attention", choices=("reference", "pallas", "auto"), default="auto")
-    engine.add_argument("--gemm", choices=("auto", "cublas", "triton"), default="auto",
-                        help="who runs the GEMMs on GPUs: cuBLAS (compiles ~15x faster, prefills faster) or "
-                             "XLA's autotuned Triton GEMMs (one sequence decodes faster); auto: Triton in "
-                             "TP steps, cuBLAS in SP steps")
+    # executables.GEMM_BACKENDS (not imported: this module is read before JAX is configured)
+    engine.add_argument("--gemm", choices=("triton", "cublas"), default="triton",
+                        help="who runs the GEMMs on GPUs: XLA's autotuned Triton GEMMs (one sequence decodes "
+                             "faster) or cuBLAS (compiles ~15x faster, prefills 4-7%% faster)")
     engine.add_argument("--max-top-logprobs", type=int, default=20,
                         help="alternatives per token a request may ask for (0: none; a narrower step result)")
     engine.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",

@@ -2,8 +2,9 @@
 
 JAX's persistent compilation cache is keyed by the lowered program, so even a start whose
 every executable is cached still traces and lowers each step first: about 7 s per
-executable for the unrolled 32-layer Llama-3.1-8B step on the H200 host, where loading
-the cached binary takes under 1 s (benchmarks/compare_x2.md). This store is keyed instead
+executable for the unrolled 32-layer Llama-3.1-8B step on the H200 host before each layer
+was lowered once (benchmarks/compare_x2.md; since then ~0.3-0.5 s on this CPU), where
+loading the cached binary takes under 1 s. This store is keyed instead
 by everything the lowering is a function of, so a hit skips tracing, lowering and
 compiling:
 
@@ -13,7 +14,8 @@ compiling:
   values and ``XLA_FLAGS``;
 - the devices (kind, id, order) and the mesh's axes;
 - the step's own parameters (mode, buckets, page-table width, attention, layer loop,
-  top-logprob width) and the model (config, head layout, local dims, weight storage);
+  top-logprob width, XLA compile options such as the GEMM backend) and the model (config,
+  head layout, local dims, weight storage);
 - the abstract inputs: every parameter and cache array's shape, dtype and sharding.
 
 A change to any of them is a miss, and the step is lowered and compiled as usual (through

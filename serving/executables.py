@@ -178,34 +178,32 @@ def compile_workers(platform: str) -> int:
     return 1 if platform == "gpu" else (os.cpu_count() or 1)
 
 
-GEMM_BACKENDS = ("auto", "cublas", "triton")
+GEMM_BACKENDS = ("triton", "cublas")
 
 
-def xla_compiler_options(gemm: str, mode: str, platform: str) -> dict | None:
-    """XLA's compile options for a step of ``mode`` on ``platform`` (a device's ``platform``).
+def xla_compiler_options(gemm: str, platform: str) -> dict | None:
+    """XLA's compile options for the steps on ``platform`` (a device's ``platform``); the
+    same for every step of an engine, so that TP and SP steps do the same arithmetic.
 
-    ``"cublas"``: on GPUs every GEMM calls cuBLAS, instead of the Triton GEMM fusions XLA
-    autotunes by compiling and timing candidate kernels, and XLA's command buffers (CUDA
-    graphs) take runs of any length between two collectives (default: five commands or
-    more; with cuBLAS, fewer fusions leave shorter runs, launched one by one). ``"triton"``:
-    XLA's defaults. ``"auto"``: Triton for TP steps, cuBLAS for SP steps. Measured on 2x H200,
-    Llama-3.1-8B shape (benchmarks/x2_results.md, "GEMMs: cuBLAS or Triton"): with cuBLAS,
-    eight steps compiled in 11.5 s instead of 177.6 s and 2048- and 4096-token prefill steps
-    ran 4-7% faster in every mode; in the engine's TP decode loop it was 1.03x faster at 8
-    and 64 sequences but 1.07x slower at one, where the host's launch bounds the step. TP
-    steps serve light traffic, where one sequence's latency is what counts; SP steps heavy
-    traffic and long prompts."""
+    ``"triton"``: XLA's defaults (GEMMs by Triton fusions XLA autotunes, by compiling and
+    timing candidate kernels). ``"cublas"``: on GPUs every GEMM calls cuBLAS, and XLA's
+    command buffers (CUDA graphs) take runs of any length between two collectives (default:
+    five commands or more; with cuBLAS, fewer fusions leave shorter runs, launched one by
+    one). Measured on 2x H200, Llama-3.1-8B shape (benchmarks/x2_results.md, "GEMMs: cuBLAS
+    or Triton"): with cuBLAS, eight steps compiled in 11.5 s instead of 177.6 s and 2048-
+    and 4096-token prefill steps ran 4-7% faster in every mode; in the engine's TP decode
+    loop it was 1.03x / 1.04x faster at 8 / 64 sequences and 1.07x slower at one, where the
+    host's launch bounds the step. Triton stays the default: one sequence's latency, and
+    the GPU checks of both modes' tokens and logits ran with it."""
     if gemm not in GEMM_BACKENDS:
         raise ValueError(f"gemm must be one of {GEMM_BACKENDS}, got {gemm!r}")
-    if gemm == "auto":
-        gemm = "triton" if mode == "tp" else "cublas"
     if platform != "gpu" or gemm == "triton":
         return None
     return {"xla_gpu_enable_triton_gemm": False, "xla_gpu_graph_min_graph_size": 1}
 
 
 def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, modes, *,
-                max_pages: int, attention: str = "auto", layer_loop: str = "scan", gemm: str = "auto",
+                max_pages: int, attention: str = "auto", layer_loop: str = "scan", gemm: str = "triton",
                 max_top_logprobs: int = 0, sample_in_step: bool = True, progress: Callable[[int, int, float], None] | None = None,
                 workers: int | None = None, store: ExecutableStore | None = None,
                 report: Callable[[str], None] | None = None, only: Collection[tuple] | None = None) -> Executables:
@@ -222,8 +220,7 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
     start = time.perf_counter()
     options = dict(max_pages=max_pages, attention=attention, layer_loop=layer_loop,
                    max_top_logprobs=max_top_logprobs, sample_in_step=sample_in_step)
-    platform = weights.mesh.devices.flat[0].platform
-    compiler_options = {mode: xla_compiler_options(gemm, mode, platform) for mode in modes}
+    compiler_options = xla_compiler_options(gemm, weights.mesh.devices.flat[0].platform)
     steps = _steps(weights, ladder, modes)
     if only is not None:
         only = set(only)
@@ -239,7 +236,7 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
         devices = list(weights.mesh.devices.flat)
         for mode, t, b in steps:
             store_keys[(mode, t, b)] = step_key(weights, caches, mode=mode, num_tokens=t, num_seqs=b,
-                                                result_rows=ladder.result_rows, compiler_options=compiler_options[mode],
+                                                result_rows=ladder.result_rows, compiler_options=compiler_options,
                                                 **options)
 
         def load(key):
@@ -259,7 +256,7 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
         def compile_one(key):
             began = time.perf_counter()
             hits_before = events.hits_by_thread[threading.get_ident()]
-            executable = lowered[key].compile(compiler_options[key[0]])
+            executable = lowered[key].compile(compiler_options)
             elapsed = time.perf_counter() - began
             # Only an executable XLA just compiled is stored: one that JAX loaded from its
             # persistent cache, serialized again, loads but fails when run on the CPU
@@ -308,7 +305,7 @@ def _lower_steps(weights, caches, steps, *, result_rows, max_pages, attention, l
 
 def temporary_bytes(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, modes, *,
                     max_pages: int, attention: str, layer_loop: str, max_top_logprobs: int,
-                    sample_in_step: bool = True, gemm: str = "auto") -> int:
+                    sample_in_step: bool = True, gemm: str = "triton") -> int:
     """The largest per-device temporary buffer size of the largest bucket's step in any mode,
     from XLA's memory analysis: what the page pool must leave free. ``caches`` may be
     abstract (``ShapeDtypeStruct``) and small; the step updates them in place, so their
@@ -319,8 +316,9 @@ def temporary_bytes(weights: ModelWeights, caches: KVCache, ladder: BucketLadder
                            attention=attention, layer_loop=layer_loop, max_top_logprobs=max_top_logprobs,
                            sample_in_step=sample_in_step)
     sizes = []
-    for (mode, _, _), step in lowered.items():
-        analysis = step.compile(xla_compiler_options(gemm, mode, weights.mesh.devices.flat[0].platform)).memory_analysis()
+    compiler_options = xla_compiler_options(gemm, weights.mesh.devices.flat[0].platform)
+    for step in lowered.values():
+        analysis = step.compile(compiler_options).memory_analysis()
         sizes.append(0 if analysis is None else int(analysis.temp_size_in_bytes))
     return max(sizes)
 

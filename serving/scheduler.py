@@ -280,7 +280,8 @@ class Scheduler:
         sizes = np.array([size for _, size in chunks], np.int64)
         # What the whole-array fill below relies on (every schedule() path keeps both): a
         # chunk of no tokens would shift every later row's tokens, a request twice in one
-        # step would be given two sequence rows over the same pages.
+        # step would be given two sequence rows over the same pages. A raise is a bug in
+        # schedule(), which has reserved the step's pages by now.
         if len(chunks) and int(sizes.min()) < 1:
             raise RuntimeError(f"a step's chunk has {int(sizes.min())} tokens; each must have at least one")
         if len({id(request) for request in requests}) != len(requests):

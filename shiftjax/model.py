@@ -14,6 +14,8 @@ in device order (checked on the CPU mesh by the KV-invariance test).
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -59,11 +61,17 @@ class Context:
         self.inv_freq = inv_freq
         self.batch = batch
         self.attention = attention
-        self.metadata = AttentionMetadata(
-            query_start=batch.query_start, seq_lens=batch.seq_lens, page_table=batch.page_table)
+
+    @property
+    def metadata(self) -> AttentionMetadata:
+        batch = self.batch
+        return AttentionMetadata(query_start=batch.query_start, seq_lens=batch.seq_lens, page_table=batch.page_table)
 
     def with_batch(self, batch: StepBatch) -> "Context":
-        return Context(self.dims, self.eps, self.inv_freq, batch, self.attention)
+        """This context with ``batch`` (what the jitted layer receives), every other field kept."""
+        context = copy.copy(self)
+        context.batch = batch
+        return context
 
 
 def attention_core(

@@ -403,23 +403,23 @@ def test_allocator_never_hands_out_the_scratch_page():
 
 
 def test_gemm_backend_options():
-    """Who runs the GEMMs is an XLA compile option on GPUs only; ``auto`` gives TP steps
-    Triton (one sequence's latency) and SP steps cuBLAS (prefill, compile time)."""
+    """Who runs the GEMMs is an XLA compile option on GPUs only, one for every step of an
+    engine (TP and SP steps must do the same arithmetic); Triton, XLA's default, unless asked."""
     cublas = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_graph_min_graph_size": 1}
-    assert exe.xla_compiler_options("auto", "tp", "gpu") is None
-    assert exe.xla_compiler_options("auto", "sp", "gpu") == cublas
-    assert exe.xla_compiler_options("cublas", "tp", "gpu") == cublas
-    assert exe.xla_compiler_options("triton", "sp", "gpu") is None
-    assert all(exe.xla_compiler_options(g, m, "cpu") is None for g in exe.GEMM_BACKENDS for m in ("tp", "sp"))
+    assert exe.xla_compiler_options("triton", "gpu") is None
+    assert exe.xla_compiler_options("cublas", "gpu") == cublas
+    assert all(exe.xla_compiler_options(gemm, "cpu") is None for gemm in exe.GEMM_BACKENDS)
     with pytest.raises(ValueError, match="gemm must be one of"):
-        exe.xla_compiler_options("cutlass", "tp", "gpu")
+        exe.xla_compiler_options("cutlass", "gpu")
     with pytest.raises(ValueError, match="gemm must be one of"):
         EngineConfig(gemm="cutlass")
+    assert EngineConfig().gemm == "triton"
 
     from shiftjax.serving.engine_args import engine_options
     from shiftjax.serving.serve_cli import _parser
 
-    assert engine_options(_parser().parse_args([]))["gemm"] == "auto"
+    gemm = next(a for a in _parser()._actions if a.dest == "gemm")
+    assert tuple(gemm.choices) == exe.GEMM_BACKENDS and gemm.default == EngineConfig().gemm
     assert EngineConfig(**engine_options(_parser().parse_args(["--gemm", "cublas"]))).gemm == "cublas"
     with pytest.raises(SystemExit):
         _parser().parse_args(["--gemm", "cutlass"])

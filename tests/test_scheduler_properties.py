@@ -191,5 +191,5 @@ def test_a_step_refuses_empty_chunks_and_repeated_requests():
         scheduler._build([(first, 2), (second, 0)])
     with pytest.raises(RuntimeError, match="twice"):
         scheduler._build([(first, 1), (first, 1)])
-    step = scheduler.schedule()  # the refused steps left nothing behind
+    step = scheduler.schedule()  # the refused _build calls changed nothing
     assert step is not None and [r is first or r is second for r in step.requests] == [True, True]
