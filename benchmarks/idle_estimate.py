@@ -1,8 +1,8 @@
 """Device idle time of the engine's decode loop without the profiler's slowdown (issue 8,
 target 4), from a ``shift_x2.py`` engine part's JSON.
 
-The profiled steps run 1.5-1.9x slower than unprofiled ones, so the idle fraction inside
-the profile overstates idle time. A kernel's own duration is device time, which the
+Profiled steps run slower than unprofiled ones (up to 2x in the runs of
+``results/x2_levers/``), so the idle fraction inside the profile overstates idle time. A kernel's own duration is device time, which the
 profiler does not stretch; so this compares each GPU's kernel time per step (from the
 profiled steps) with the unprofiled wall time per step of the same (variant, loop, size):
 
