@@ -16,12 +16,14 @@ arrival goes to the replica :func:`~shiftjax.serving.data_parallel.pick_replica`
 its queued tokens (prompt tokens until the first output token, plus output tokens still
 owed), as ``shiftjax serve --dp`` routes.
 
-What it leaves out: host time between steps (``host_seconds_per_step`` adds a constant,
-in series, as ``--no-async-scheduling`` runs), sampling output (tokens are 0 and
-``ignore_eos`` holds), network and detokenizing. It commits each step before it schedules
-the next, as the engine does without async scheduling; with it (the default), a request
-that ends in step N keeps its pages and its sequence slot until N+1, which is already
-scheduled, so admissions under page pressure can come one step later than here. A
+What it leaves out: host time between steps (``host_seconds_per_step`` adds a constant
+in series with every step; the engine overlaps it with the step before under async
+scheduling, the default, and with ``--no-async-scheduling`` only the making of a step's
+deltas overlaps the next step), sampling output (tokens are 0 and ``ignore_eos`` holds), network and
+detokenizing. It commits each step before it schedules the next. The engine, with async
+scheduling (the default), schedules N+1 before N commits: a request that ends in step N
+keeps its pages and its sequence slot until N+1, so admissions under page pressure can
+come one step later than here. A
 request refused with a full admission queue is a failed record, as the bench counts it.
 """
 
