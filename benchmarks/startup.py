@@ -74,6 +74,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sp", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--mode", default="auto")
+    parser.add_argument("--gemm", default="triton", choices=("triton", "cublas"), help="EngineConfig.gemm")
     parser.add_argument("--token-buckets", default="16,64")
     parser.add_argument("--seq-buckets", default="1,4")
     parser.add_argument("--num-pages", type=int, default=64)
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
         (work / "model" / "config.json").write_text(json.dumps(config))
         model, args.load_format = str(work / "model"), "dummy"
     options = dict(model=model, load_format=args.load_format, tokenizer=args.tokenizer, dtype=args.dtype,
-                   sp=args.sp, tp=args.tp, mode=args.mode, num_pages=args.num_pages, max_model_len=128,
+                   sp=args.sp, tp=args.tp, mode=args.mode, gemm=args.gemm, num_pages=args.num_pages, max_model_len=128,
                    max_num_seqs=max(int(b) for b in args.seq_buckets.split(",")),
                    max_num_batched_tokens=max(int(t) for t in args.token_buckets.split(",")),
                    token_buckets=[int(t) for t in args.token_buckets.split(",")],
