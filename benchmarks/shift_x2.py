@@ -237,6 +237,181 @@ def correctness(smoke: bool, attention: str) -> dict:
     return out
 
 
+def big_config(smoke: bool):
+    """Llama-3.1-8B's shape at ``LAYERS`` layers (default all 32), or a tiny stand-in."""
+    config = dataclasses.replace(LLAMA8B, num_layers=int(os.environ.get("LAYERS", "32")))
+    if smoke:
+        config = dataclasses.replace(config, num_layers=2, hidden_size=256, intermediate_size=512,
+                                     num_heads=8, num_kv_heads=2, head_dim=32, vocab_size=1024)
+    return config
+
+
+def step_table(smoke: bool, attention: str, profile: bool, where: str) -> dict:
+    """``where == "mesh"``: TP and SP steps on both GPUs; ``"1gpu"``: one GPU with the DP
+    share of the same work (half the sequences, one of the two prompts)."""
+    config = big_config(smoke)
+    ctx, prompt, max_pages = (64, 64, 8) if smoke else (1024, 2048, 260)
+    params = device_random_params(config, jnp.bfloat16)
+    num_pages = 64 * (ctx // PAGE + 1) + 2
+    if where == "mesh":
+        mesh = make_mesh(2, 1, jax.devices()[:2])
+        shapes = {("tp", "dec8"): decode_batch(8, ctx, max_pages), ("tp", "dec64"): decode_batch(64, ctx, max_pages),
+                  ("tp", "pre2x2048"): prefill_batch(2, prompt, max_pages),
+                  ("sp", "pre2x2048"): prefill_batch(2, prompt, max_pages),
+                  ("tp", "pre4096"): prefill_batch(1, 2 * prompt, 2 * max_pages),
+                  ("sp", "pre4096"): prefill_batch(1, 2 * prompt, 2 * max_pages)}
+    else:
+        mesh = make_mesh(1, 1, jax.devices()[:1])
+        shapes = {("tp", f"dec{n}"): decode_batch(n, ctx, max_pages) for n in (4, 8, 32, 64)}
+        shapes[("tp", "pre1x2048")] = prefill_batch(1, prompt, max_pages)
+    if smoke:  # the code path, not the table: one decode and one prefill step per mesh
+        shapes = dict(list(shapes.items())[:1] + list(shapes.items())[-1:])
+    weights = shard_params(params, config, mesh)
+    del params
+    out = {"layers": config.num_layers, "weight_bytes_per_device": weight_bytes_per_device(weights, mesh)}
+    out.update(time_steps(weights, mesh, shapes, attention=attention, profile=profile, num_pages=num_pages))
+    return out
+
+
+def allreduce_variants(smoke: bool, attention: str, profile: bool) -> dict:
+    """TP decode on both GPUs with NCCL's all-reduce against XLA's one-shot all-reduce
+    kernel (peer-memory loads, no multicast), which should cut the latency of the 65 small
+    all-reduces a 32-layer step makes."""
+    config = big_config(smoke)
+    ctx, prompt, max_pages = (64, 64, 8) if smoke else (1024, 2048, 260)
+    mesh = make_mesh(2, 1, jax.devices()[:2])
+    weights = shard_params(device_random_params(config, jnp.bfloat16), config, mesh)
+    shapes = {("tp", "dec8"): decode_batch(8, ctx, max_pages), ("tp", "dec64"): decode_batch(64, ctx, max_pages),
+              ("sp", "pre2x2048"): prefill_batch(2, prompt, max_pages)}
+    variants = {"nccl": None, "one_shot": {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True}}
+    return _option_variants(smoke, attention, profile, mesh, weights, shapes, variants)
+
+
+def command_buffer_variants(smoke: bool, attention: str, profile: bool) -> dict:
+    """The TP decode step on the engine's mesh ((1, 2)) compiled with XLA's default command
+    buffers, with none, and with every kind (``COMMAND_BUFFER_OPTIONS``): whether the HLO
+    holds command buffers at all, the host time to launch, the wall and device span."""
+    config = big_config(smoke)
+    ctx, max_pages = (64, 8) if smoke else (1024, 260)
+    mesh = make_mesh(1, 2, jax.devices()[:2])
+    weights = shard_params(device_random_params(config, jnp.bfloat16), config, mesh)
+    shapes = {("tp", "dec8"): decode_batch(8, ctx, max_pages), ("tp", "dec64"): decode_batch(64, ctx, max_pages)}
+    variants = {"default": None, "off": {"xla_gpu_enable_command_buffer": ""}, "every_kind": COMMAND_BUFFER_OPTIONS}
+    return _option_variants(smoke, attention, profile, mesh, weights, shapes, variants, sample_in_step=False)
+
+
+def levers(smoke: bool, attention: str, profile: bool) -> dict:
+    """Where a TP decode step's launch and GEMM time go, and what SP costs against DP, in one
+    part (mesh (2, 1): both modes, as ``serve --sp 2``; steps without the in-step sampler, as
+    the engine's):
+
+    - ``default`` / ``cublas`` (every GEMM by cuBLAS instead of autotuned Triton: small-M
+      GEMMs, and compile time) / ``one_shot`` (XLA's one-shot all-reduce kernel) on decode
+      steps at the engine's buckets, and on the SP, TP and DP prefill of equal work;
+    - ``dec1`` against ``dec1_in_8``: one decoding sequence in a 1- and an 8-sequence bucket
+      (what a sequence bucket saves);
+    - one GPU running half the heads and half the MLP (a TP shard's work, with the whole
+      vocabulary) with no collectives: how much of the launch the all-reduces cost;
+    - one GPU with the whole model prefilling one prompt: DP's share of the equal work.
+    """
+    from shiftjax.serving.executables import pad_batch
+
+    config = big_config(smoke)
+    ctx, prompt, max_pages = (64, 64, 8) if smoke else (1024, 2048, 260)
+    num_pages = 64 * (ctx // PAGE + 1) + 2
+    decode = {("tp", "dec1"): pad_batch(decode_batch(1, ctx, max_pages), 16, 1),
+              ("tp", "dec1_in_8"): pad_batch(decode_batch(1, ctx, max_pages), 16, 8),
+              ("tp", "dec8"): pad_batch(decode_batch(8, ctx, max_pages), 16, 8),
+              ("tp", "dec64"): decode_batch(64, ctx, max_pages)}
+    prefill = {("sp", "pre2x2048"): prefill_batch(2, prompt, max_pages),
+               ("tp", "pre2x2048"): prefill_batch(2, prompt, max_pages),
+               ("sp", "pre4096"): prefill_batch(1, 2 * prompt, 2 * max_pages),
+               ("tp", "pre4096"): prefill_batch(1, 2 * prompt, 2 * max_pages)}
+    if smoke:
+        decode, prefill = dict(list(decode.items())[:2]), dict(list(prefill.items())[:1])
+    cublas = {"xla_gpu_enable_triton_gemm": False}
+    one_shot = {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True}
+    steps = functools.partial(time_steps, attention=attention, profile=profile, num_pages=num_pages,
+                              sample_in_step=False)
+    out = {}
+    mesh = make_mesh(2, 1, jax.devices()[:2])
+    weights = shard_params(device_random_params(config, jnp.bfloat16), config, mesh)
+    out["weight_bytes_per_device"] = weight_bytes_per_device(weights, mesh)
+    for name, options in (("default", None), ("cublas", cublas)):
+        if smoke and options:
+            continue  # GPU-only options
+        log(f"  variant {name}")
+        out[name] = steps(weights, mesh, {**decode, **prefill}, compiler_options=options)
+    del weights
+    one = make_mesh(1, 1, jax.devices()[:1])
+    half = dataclasses.replace(config, num_heads=config.num_heads // 2, num_kv_heads=config.num_kv_heads // 2,
+                               intermediate_size=config.intermediate_size // 2)
+    weights = shard_params(device_random_params(half, jnp.bfloat16), half, one)
+    log("  variant one_gpu_half_model (a TP shard's work, no collectives)")
+    out["one_gpu_half_model"] = steps(weights, one, {k: v for k, v in decode.items() if k[1] != "dec1_in_8"})
+    out["one_gpu_half_model"]["weight_bytes_per_device"] = weight_bytes_per_device(weights, one)
+    del weights
+    weights = shard_params(device_random_params(config, jnp.bfloat16), config, one)
+    dp = {("tp", "pre1x2048"): prefill_batch(1, prompt, max_pages)}
+    for name, options in (("dp_default", None), ("dp_cublas", cublas)):
+        if smoke and options:
+            continue
+        log(f"  variant {name} (one GPU, whole model)")
+        out[name] = steps(weights, one, dp, compiler_options=options)
+    del weights
+    if not smoke:  # last: the least likely to matter
+        weights = shard_params(device_random_params(config, jnp.bfloat16), config, mesh)
+        log("  variant one_shot")
+        out["one_shot"] = steps(weights, mesh, decode, compiler_options=one_shot)
+    return out
+
+
+def dummy_load(smoke: bool) -> dict:
+    """Seconds ``--load-format dummy`` takes for the 8B shape at ``--sp 2``, twice in one
+    process (the second reuses the first's programs: what is left is generating), with JAX's
+    trace, lowering and compile time of each from ``jax.monitoring``."""
+    from shiftjax.checkpoints.dummy import dummy_weights
+
+    config = big_config(smoke)
+    mesh = make_mesh(2, 1, jax.devices()[:2])
+    seconds, counts = collections.defaultdict(float), collections.Counter()
+
+    def listen(name, secs, **_):
+        seconds[name.rsplit("/", 1)[-1]] += secs
+        counts[name.rsplit("/", 1)[-1]] += 1
+
+    out = {}
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for attempt in ("first", "again"):
+            seconds.clear()
+            counts.clear()
+            start = time.perf_counter()
+            weights = dummy_weights(config, mesh=mesh, dtype="bfloat16")
+            jax.block_until_ready(jax.tree.leaves(weights))
+            out[attempt] = {"seconds": time.perf_counter() - start, "jax_events_s": dict(seconds),
+                            "jax_event_counts": dict(counts)}
+            log(f"  dummy weights, {attempt}: {out[attempt]['seconds']:.2f} s; " + ", ".join(
+                f"{k} {v:.2f} s x{counts[k]}" for k, v in seconds.items()))
+            del weights
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return out
+
+
+def _option_variants(smoke, attention, profile, mesh, weights, shapes, variants, **step_options) -> dict:
+    """``time_steps`` of ``shapes`` once per set of XLA compile options (GPU-only sets skipped in --smoke)."""
+    ctx = 64 if smoke else 1024
+    out = {}
+    for name, options in variants.items():
+        if smoke and options:
+            continue  # a GPU-only option
+        log(f"  variant {name}")
+        out[name] = time_steps(weights, mesh, shapes, attention=attention, profile=profile,
+                               num_pages=64 * (ctx // PAGE + 1) + 2, compiler_options=options, **step_options)
+    return out
+
+
 def collectives(smoke: bool) -> dict:
     """Seconds of one all-reduce (``psum``) and one all-to-all over both devices against
     message size (bytes per device), the inputs of the 8-GPU projection (issue 9): each
