@@ -20,7 +20,7 @@ import itertools
 
 import numpy as np
 
-from shiftjax.batch import StepBatch, empty_batch
+from shiftjax.batch import SAMPLING_FIELDS, StepBatch, empty_batch
 from shiftjax.serving.allocator import OutOfPages, PageAllocator
 from shiftjax.serving.sampling_params import SamplingParams
 
@@ -327,7 +327,7 @@ class Scheduler:
         if sampled_rows:
             sampled_rows = np.array(sampled_rows)
             batch.sample_index[sampled_rows] = ends[sampled_rows] - 1
-            for name in ("temperature", "top_p", "top_k", "seed", "min_p", "top_logprobs"):
+            for name in SAMPLING_FIELDS:
                 getattr(batch, name)[sampled_rows] = [getattr(params, name) for params in sampled_params]
         return ScheduledStep(batch, num_tokens, requests, samples, step_id=step_id,
                              token_source=token_source, source_step=next(iter(sources), None),

@@ -54,7 +54,8 @@ class StepBatch:
 # The fields of one entry per token and of one entry per sequence (besides query_start,
 # which has one more, and page_table, one row per sequence).
 PER_TOKEN_FIELDS = ("token_ids", "positions", "slot_mapping")
-PER_SEQUENCE_FIELDS = ("seq_lens", "sample_index", "temperature", "top_p", "top_k", "seed", "min_p", "top_logprobs")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "min_p", "top_logprobs")  # a request's SamplingParams
+PER_SEQUENCE_FIELDS = ("seq_lens", "sample_index", *SAMPLING_FIELDS)
 
 
 def empty_batch(num_tokens: int, num_seqs: int, max_pages: int) -> StepBatch:
