@@ -59,6 +59,14 @@ def _cache_param_indices(hlo: str, local_cache_shape) -> list[int]:
     return [i for i, s in enumerate(shapes) if s == target]
 
 
+def _assert_caches_aliased(hlo: str, local_cache_shape, *context) -> None:
+    """Both cache parameters of a compiled step are aliased to its outputs (donated)."""
+    aliases = re.search(r"input_output_alias=\{(.*?)\}, entry", hlo).group(1)
+    aliased_params = {int(p) for p in re.findall(r"\((\d+), \{\}, may-alias\)", aliases)}
+    cache_params = _cache_param_indices(hlo, local_cache_shape)
+    assert len(cache_params) == 2 and set(cache_params) <= aliased_params, (*context, aliases)
+
+
 def test_executables_share_the_cache_and_donate_it(params):
     results, weights = run_scenario(params, CONFIG, 2, 2, {"tp": ["tp"]})
     caches = results["tp"][1]
@@ -86,10 +94,7 @@ def test_executables_share_the_cache_and_donate_it(params):
     for mode, exe in compiled.items():
         hlo = exe.as_text()
         # The donated caches are aliased to the step's outputs...
-        aliases = re.search(r"input_output_alias=\{(.*?)\}, entry", hlo).group(1)
-        aliased_params = {int(p) for p in re.findall(r"\((\d+), \{\}, may-alias\)", aliases)}
-        cache_params = _cache_param_indices(hlo, local_shape)
-        assert len(cache_params) == 2 and set(cache_params) <= aliased_params, (mode, aliases)
+        _assert_caches_aliased(hlo, local_shape, mode)
         # ...and no instruction copies or dynamically slices a cache or a layer of it.
         for match in re.finditer(r"= [a-z0-9]+\[([0-9,]*)\]\{[^}]*\} (copy|dynamic-slice|slice)\(", hlo):
             shape = tuple(int(d) for d in match.group(1).split(",") if d)
@@ -119,8 +124,5 @@ def test_unrolled_layers_lower_one_layer_and_update_the_cache_in_place(params):
 
     hlo = make_step(weights, "tp", attention="reference", layer_loop="unrolled").lower(*args).compile().as_text()
     local_shape = caches.k.addressable_shards[0].data.shape
-    aliases = re.search(r"input_output_alias=\{(.*?)\}, entry", hlo).group(1)
-    aliased_params = {int(p) for p in re.findall(r"\((\d+), \{\}, may-alias\)", aliases)}
-    cache_params = _cache_param_indices(hlo, local_shape)
-    assert len(cache_params) == 2 and set(cache_params) <= aliased_params, aliases
+    _assert_caches_aliased(hlo, local_shape)
     assert not re.search(r"= [a-z0-9]+\[%s\]\{[^}]*\} copy\(" % ",".join(map(str, local_shape)), hlo)
