@@ -318,7 +318,6 @@ def levers(smoke: bool, attention: str, profile: bool) -> dict:
 
     config = big_config(smoke)
     ctx, prompt, max_pages = (64, 64, 8) if smoke else (1024, 2048, 260)
-    num_pages = 64 * (ctx // PAGE + 1) + 2
     decode = {("tp", "dec1"): pad_batch(decode_batch(1, ctx, max_pages), 16, 1),
               ("tp", "dec1_in_8"): pad_batch(decode_batch(1, ctx, max_pages), 16, 8),
               ("tp", "dec8"): pad_batch(decode_batch(8, ctx, max_pages), 16, 8),
@@ -329,40 +328,31 @@ def levers(smoke: bool, attention: str, profile: bool) -> dict:
                ("tp", "pre4096"): prefill_batch(1, 2 * prompt, 2 * max_pages)}
     if smoke:
         decode, prefill = dict(list(decode.items())[:2]), dict(list(prefill.items())[:1])
+    # (cuBLAS with XLA's default command buffers, as measured; EngineConfig.gemm="cublas" adds small graphs)
     cublas = {"xla_gpu_enable_triton_gemm": False}
     one_shot = {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True}
-    steps = functools.partial(time_steps, attention=attention, profile=profile, num_pages=num_pages,
-                              sample_in_step=False)
-    out = {}
+    variants = functools.partial(_option_variants, smoke, attention, profile, sample_in_step=False)
     mesh = make_mesh(2, 1, jax.devices()[:2])
     weights = shard_params(device_random_params(config, jnp.bfloat16), config, mesh)
-    out["weight_bytes_per_device"] = weight_bytes_per_device(weights, mesh)
-    for name, options in (("default", None), ("cublas", cublas)):
-        if smoke and options:
-            continue  # GPU-only options
-        log(f"  variant {name}")
-        out[name] = steps(weights, mesh, {**decode, **prefill}, compiler_options=options)
+    out = {"weight_bytes_per_device": weight_bytes_per_device(weights, mesh)}
+    out.update(variants(mesh, weights, {**decode, **prefill}, {"default": None, "cublas": cublas}))
     del weights
     one = make_mesh(1, 1, jax.devices()[:1])
     half = dataclasses.replace(config, num_heads=config.num_heads // 2, num_kv_heads=config.num_kv_heads // 2,
                                intermediate_size=config.intermediate_size // 2)
     weights = shard_params(device_random_params(half, jnp.bfloat16), half, one)
-    log("  variant one_gpu_half_model (a TP shard's work, no collectives)")
-    out["one_gpu_half_model"] = steps(weights, one, {k: v for k, v in decode.items() if k[1] != "dec1_in_8"})
+    # a TP shard's work, no collectives
+    out.update(variants(one, weights, {k: v for k, v in decode.items() if k[1] != "dec1_in_8"},
+                        {"one_gpu_half_model": None}))
     out["one_gpu_half_model"]["weight_bytes_per_device"] = weight_bytes_per_device(weights, one)
     del weights
-    weights = shard_params(device_random_params(config, jnp.bfloat16), config, one)
-    dp = {("tp", "pre1x2048"): prefill_batch(1, prompt, max_pages)}
-    for name, options in (("dp_default", None), ("dp_cublas", cublas)):
-        if smoke and options:
-            continue
-        log(f"  variant {name} (one GPU, whole model)")
-        out[name] = steps(weights, one, dp, compiler_options=options)
+    weights = shard_params(device_random_params(config, jnp.bfloat16), config, one)  # one GPU, whole model
+    out.update(variants(one, weights, {("tp", "pre1x2048"): prefill_batch(1, prompt, max_pages)},
+                        {"dp_default": None, "dp_cublas": cublas}))
     del weights
     if not smoke:  # last: the least likely to matter
         weights = shard_params(device_random_params(config, jnp.bfloat16), config, mesh)
-        log("  variant one_shot")
-        out["one_shot"] = steps(weights, mesh, decode, compiler_options=one_shot)
+        out.update(variants(mesh, weights, decode, {"one_shot": one_shot}))
     return out
 
 
