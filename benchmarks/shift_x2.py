@@ -183,11 +183,11 @@ def _call_ms(run, batch, iters: int = 15) -> float:
     return float(np.median(times)) * 1e3
 
 
-def correctness(smoke: bool, attention: str) -> dict:
+def correctness(smoke: bool, attention: str, gemms: tuple[str, ...]) -> dict:
     """Greedy tokens of one device vs the 2-device mesh in every mode (float32, random
     SmolLM2-shaped weights: the real model cannot travel to the device machine), and TP vs
-    SP logits of the 8B shape in bf16; once per GEMM backend (``EngineConfig.gemm``; on the
-    CPU only the default, the other's options being GPU-only)."""
+    SP logits of the 8B shape in bf16; once per GEMM backend of ``gemms`` (``EngineConfig.gemm``;
+    on the CPU only Triton, the other's options being GPU-only)."""
     config = dataclasses.replace(SMOLLM2, num_layers=2) if smoke else SMOLLM2
     params = device_random_params(config, jnp.float32, seed=1)
     prompts = [[(i * 37 + j * 11) % 1000 + 5 for j in range(n)] for i, n in enumerate((5, 17, 40, 3))]
@@ -198,7 +198,7 @@ def correctness(smoke: bool, attention: str) -> dict:
                                   head_dim=32, vocab_size=1024)
     big_weights = shard_params(device_random_params(big, jnp.bfloat16), big, make_mesh(2, 1, jax.devices()[:2]))
     out = {"bf16_tolerance": 1e-2}
-    for gemm in ("triton",) if smoke else executables_module.GEMM_BACKENDS:
+    for gemm in ("triton",) if smoke else gemms:
         tokens = {}
         for label, (sp, tp, devices, mode) in {
             "1gpu": (1, 1, jax.devices()[:1], "tp"), "tp2": (1, 2, jax.devices()[:2], "tp"),
@@ -233,7 +233,7 @@ def correctness(smoke: bool, attention: str) -> dict:
                      "llama8b_argmax_equal": argmax_equal,
                      "pass": all(same.values()) and rel < out["bf16_tolerance"]}
         del caches
-    out["pass"] = all(out[g]["pass"] for g in executables_module.GEMM_BACKENDS if g in out)
+    out["pass"] = all(out[g]["pass"] for g in gemms if g in out)
     return out
 
 
@@ -664,6 +664,8 @@ def main() -> int:
                              "the conditionals that blocked the host)")
     parser.add_argument("--engine-rounds", type=int, default=2,
                         help="times the engine part measures every (variant, loop), in alternating order")
+    parser.add_argument("--correct-gemms", default=",".join(executables_module.GEMM_BACKENDS),
+                        help="the GEMM backends the correct part checks, in order")
     parser.add_argument("--merge", nargs="*", default=[], metavar="JSON",
                         help="earlier parts' JSON files to summarise together with this run")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -679,7 +681,7 @@ def main() -> int:
     for path in args.merge:
         with open(path) as f:
             RESULTS.update({k: v for k, v in json.load(f).items() if k not in RESULTS})
-    runners = {"ceilings": lambda: ceilings(args.smoke), "correct": lambda: correctness(args.smoke, attention),
+    runners = {"ceilings": lambda: ceilings(args.smoke), "correct": lambda: correctness(args.smoke, attention, tuple(args.correct_gemms.split(","))),
                "steps_mesh": lambda: step_table(args.smoke, attention, profile, "mesh"),
                "steps_1gpu": lambda: step_table(args.smoke, attention, profile, "1gpu"),
                "allreduce": lambda: allreduce_variants(args.smoke, attention, profile),

@@ -37,6 +37,12 @@ if options.pop("cpu_devices"):
 jax.config.update("jax_compilation_cache_dir", options.pop("cache_dir"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+events = {}  # JAX's duration events (tracing, lowering, compiling, cache reads): name -> [count, s]
+def listen(name, seconds, **_):
+    events.setdefault(name.rsplit("/", 1)[-1], [0, 0.0])
+    events[name.rsplit("/", 1)[-1]][0] += 1
+    events[name.rsplit("/", 1)[-1]][1] += seconds
+jax.monitoring.register_event_duration_secs_listener(listen)
 from shiftjax.serving.llm import LLM
 llm = LLM(**options)
 ready = time.perf_counter() - began
@@ -49,7 +55,7 @@ print("RESULT " + json.dumps({"start_seconds": ready, "output_ids": completion.o
                               "samplers_from_store": llm.engine.samplers.loaded_from_store,
                               "executables": len(executables.compiled),
                               "loaded_from_store": executables.loaded_from_store,
-                              "compilation_cache_hits": executables.cache_hits}))
+                              "compilation_cache_hits": executables.cache_hits, "jax_events": events}))
 """
 
 
@@ -75,6 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--mode", default="auto")
     parser.add_argument("--gemm", default="triton", choices=("triton", "cublas"), help="EngineConfig.gemm")
+    parser.add_argument("--compile-workers", type=int, default=None, help="EngineConfig.compile_workers")
     parser.add_argument("--token-buckets", default="16,64")
     parser.add_argument("--seq-buckets", default="1,4")
     parser.add_argument("--num-pages", type=int, default=64)
@@ -97,7 +104,8 @@ def main(argv=None) -> int:
         (work / "model" / "config.json").write_text(json.dumps(config))
         model, args.load_format = str(work / "model"), "dummy"
     options = dict(model=model, load_format=args.load_format, tokenizer=args.tokenizer, dtype=args.dtype,
-                   sp=args.sp, tp=args.tp, mode=args.mode, gemm=args.gemm, num_pages=args.num_pages, max_model_len=128,
+                   sp=args.sp, tp=args.tp, mode=args.mode, gemm=args.gemm,
+                   compile_workers=args.compile_workers, num_pages=args.num_pages, max_model_len=128,
                    max_num_seqs=max(int(b) for b in args.seq_buckets.split(",")),
                    max_num_batched_tokens=max(int(t) for t in args.token_buckets.split(",")),
                    token_buckets=[int(t) for t in args.token_buckets.split(",")],

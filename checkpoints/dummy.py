@@ -159,7 +159,8 @@ def _block_maker(mesh: Mesh, shapes: dict, seed: int, dtype):
         return out
 
     def make_replicated(name: str, sharding: NamedSharding):
-        return jax.jit(lambda: jnp.ones(shapes[name], dtype), out_shardings=sharding)()
+        # The norms are small (a layer's is one row): a transfer, not a program to make.
+        return jax.device_put(np.ones(shapes[name], dtype), sharding)
 
     return make_blocks, make_replicated
 

@@ -64,6 +64,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--gemm", choices=("triton", "cublas"), default="triton",
                         help="who runs the GEMMs on GPUs: XLA's autotuned Triton GEMMs (one sequence decodes "
                              "faster) or cuBLAS (compiles ~15x faster, prefills 4-7%% faster)")
+    engine.add_argument("--compile-workers", type=int, default=None,
+                        help="executables compiled at once at start-up (default: all on the CPU; on GPUs "
+                             "one with Triton GEMMs, whose autotuning serialises, and a quarter of the "
+                             "host's cores with cuBLAS)")
     engine.add_argument("--max-top-logprobs", type=int, default=20,
                         help="alternatives per token a request may ask for (0: none; a narrower step result)")
     engine.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
@@ -118,6 +122,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     return dict(mode=args.mode, shift_threshold=args.shift_threshold, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_queue=args.max_queue, page_size=args.page_size, attention=args.attention, gemm=args.gemm,
+                compile_workers=args.compile_workers,
                 token_buckets=args.token_buckets, seq_buckets=args.seq_buckets, num_pages=args.num_pages,
                 kv_memory_fraction=args.kv_memory_fraction, max_top_logprobs=args.max_top_logprobs,
                 async_scheduling=args.async_scheduling,

@@ -167,15 +167,20 @@ def batch_sharding(weights: ModelWeights) -> NamedSharding:
     return NamedSharding(weights.mesh, REPLICATED)
 
 
-def compile_workers(platform: str) -> int:
+def compile_workers(platform: str, gemm: str = "triton") -> int:
     """How many executables compile at once. On the CPU, all of them (XLA compiles outside
-    the GIL). On a GPU, one. Measured on 2x H200 with the unrolled 32-layer 8B step: 16
-    compiles at once had not finished one in 520 s
+    the GIL). On a GPU with Triton GEMMs, one: measured on 2x H200 with the unrolled 32-layer
+    8B step, 16 compiles at once had not finished one in 520 s
     (benchmarks/results/compare_x2/run0_concurrent_compile/), while one at a time took
-    13.5-17.7 s each (compare_x2.md), and 3 more after 6 took 12.6 s (x2_results.md). The
-    likely cause: concurrent compiles serialise under the autotuner's per-device lock and
-    autotune the same fusions again, where a compile after another reuses its results."""
-    return 1 if platform == "gpu" else (os.cpu_count() or 1)
+    13.5-17.7 s each (compare_x2.md), and 3 more after 6 took 12.6 s (x2_results.md): the
+    concurrent compiles serialise under the autotuner's per-device lock and autotune the
+    same fusions again, where a compile after another reuses its results. With cuBLAS GEMMs
+    there is little to autotune: 8 mesh steps compiled at once in 11.5 s
+    (x2_results.md, "GEMMs: cuBLAS or Triton"), so a quarter of the host's cores (each
+    compile runs LLVM on several threads of its own)."""
+    if platform != "gpu":
+        return os.cpu_count() or 1
+    return 1 if gemm == "triton" else max(1, (os.cpu_count() or 1) // 4)
 
 
 GEMM_BACKENDS = ("triton", "cublas")
@@ -266,7 +271,7 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
             return key, executable, elapsed
 
         if lowered:
-            workers = min(len(lowered), workers or compile_workers(weights.mesh.devices.flat[0].platform))
+            workers = min(len(lowered), workers or compile_workers(weights.mesh.devices.flat[0].platform, gemm))
             with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
                 for future in concurrent.futures.as_completed([pool.submit(compile_one, k) for k in lowered]):
                     ready(*future.result())

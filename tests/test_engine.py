@@ -5,6 +5,8 @@ module: every test leaves its engine with nothing queued or running. Log-probabi
 checked against transformers on the same weights (``test_parallel.transformers_model``).
 """
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -423,3 +425,29 @@ def test_gemm_backend_options():
     assert EngineConfig(**engine_options(_parser().parse_args(["--gemm", "cublas"]))).gemm == "cublas"
     with pytest.raises(SystemExit):
         _parser().parse_args(["--gemm", "cutlass"])
+
+
+def test_compile_workers(monkeypatch, weights):
+    """Triton's autotuning serialises concurrent compiles on a GPU, so they run one at a
+    time there; cuBLAS steps and CPU steps compile at once. An explicit count wins, and is
+    validated."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 32)
+    assert exe.compile_workers("gpu", "triton") == 1
+    assert exe.compile_workers("gpu", "cublas") == 8
+    assert exe.compile_workers("cpu", "triton") == 32
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert exe.compile_workers("gpu", "cublas") == 1
+    with pytest.raises(ValueError, match="compile_workers must be at least 1"):
+        EngineConfig(compile_workers=0)
+
+    from shiftjax.serving.engine_args import engine_options
+    from shiftjax.serving.serve_cli import _parser
+
+    assert EngineConfig(**engine_options(_parser().parse_args(["--compile-workers", "3"]))).compile_workers == 3
+    assert EngineConfig(**engine_options(_parser().parse_args([]))).compile_workers is None
+
+    asked = []
+    compile_all = exe.compile_all
+    monkeypatch.setattr(exe, "compile_all", lambda *a, **k: asked.append(k["workers"]) or compile_all(*a, **k))
+    engine = engine_for(weights, mode="tp", token_buckets=(4,), compile_workers=1)
+    assert asked == [1] and len(engine.executables.compiled) == 1
