@@ -8,8 +8,8 @@ Parts (``--parts``, comma separated): ``ceilings`` (per GPU: read-only stream = 
 reduction, device copy, bf16 matmul; best of several), ``correct`` (SmolLM2-shaped float32
 random model: greedy tokens of one GPU vs the 2-GPU mesh in TP, SP and alternate;
 Llama-3.1-8B shape in bf16: TP vs SP logits), ``steps`` (the compiled steps alone: wall
-and device span per step), ``engine`` (the engine's steady-state decode loop, where host
-time shows). Ratios are against ceilings measured in the same run.
+and device span per step), ``sp_a2a`` (SP's all-to-alls against DP: NCCL kernels or copy
+engines), ``engine`` (the engine's steady-state decode loop, where host time shows). Ratios are against ceilings measured in the same run.
 """
 
 from __future__ import annotations
@@ -152,6 +152,8 @@ def time_steps(weights, mesh, shapes: dict, *, attention: str, profile: bool, nu
             return result.packed
 
         row = {"wall_ms": time_fn(run, batch, warmup=3, iters=15) * 1e3, "call_ms": _call_ms(run, batch),
+               # the greedy tokens of the step (the same batch each call): variants must agree
+               "tokens": np.asarray(run(batch))[:, 0].tolist(),
                # XLA's command buffers as HLO calls; 0 on 2x H200 with JAX 0.11.2 even where they
                # were on (XLA forms them from the thunk sequence): compare the launch time instead
                "command_buffer_calls": executable.as_text().count("to_apply=%command_buffer")}
@@ -353,6 +355,44 @@ def levers(smoke: bool, attention: str, profile: bool) -> dict:
     if not smoke:  # last: the least likely to matter
         weights = shard_params(device_random_params(config, jnp.bfloat16), config, mesh)
         out.update(variants(mesh, weights, decode, {"one_shot": one_shot}))
+    return out
+
+
+def sp_all_to_all(smoke: bool, attention: str, profile: bool) -> dict:
+    """What SP's all-to-alls cost against DP (target 3), and whether XLA's copy-engine
+    path for them helps: SP prefill of 2 x 2048 and 4096 tokens and TP of 4096 on the mesh
+    (2, 1), DP's share (one prompt of 2048 on one GPU, the whole model), each with
+    ``--gemm cublas``'s options (``cublas``) and with all-to-alls among this process's GPUs
+    done by ``cudaMemcpy`` between peers instead of NCCL kernels (``memcpy_p2p``:
+    ``xla_gpu_use_memcpy_local_p2p``). Greedy tokens must agree between the variants."""
+    config = big_config(smoke)
+    prompt, max_pages = (64, 8) if smoke else (2048, 260)
+    shapes = {("sp", "pre2x2048"): prefill_batch(2, prompt, max_pages),
+              ("sp", "pre4096"): prefill_batch(1, 2 * prompt, 2 * max_pages),
+              ("tp", "pre4096"): prefill_batch(1, 2 * prompt, 2 * max_pages)}
+    cublas = None if smoke else executables_module.xla_compiler_options("cublas", "gpu")  # GPU-only options
+    variants = {"cublas": cublas, "memcpy_p2p": {**(cublas or {}), "xla_gpu_use_memcpy_local_p2p": True}}
+    run = functools.partial(_option_variants, smoke, attention, profile, sample_in_step=False)
+    mesh = make_mesh(2, 1, jax.devices()[:2])
+    weights = shard_params(device_random_params(config, jnp.bfloat16), config, mesh)
+    out = run(mesh, weights, shapes, variants)
+    del weights
+    one = make_mesh(1, 1, jax.devices()[:1])
+    weights = shard_params(device_random_params(config, jnp.bfloat16), config, one)
+    out.update({f"dp_{name}": row for name, row in run(one, weights, {("tp", "pre1x2048"): prefill_batch(
+        1, prompt, max_pages)}, {"cublas": cublas}).items()})
+    del weights
+    for name in variants:
+        if name in out and "dp_cublas" in out:
+            dp = out["dp_cublas"]["tp:pre1x2048"]["wall_ms"]
+            sp, tp = out[name]["sp:pre2x2048"]["wall_ms"], out[name]["tp:pre4096"]["wall_ms"]
+            out[name]["sp_vs_dp"] = dp / sp
+            out[name]["sp_vs_tp_4096"] = tp / out[name]["sp:pre4096"]["wall_ms"]
+            log(f"  {name}: SP vs DP {dp / sp:.3f}x, SP vs TP at 4096 {out[name]['sp_vs_tp_4096']:.3f}x")
+    measured = [out[name] for name in variants if name in out]
+    out["same_tokens"] = all(row[k]["tokens"] == measured[0][k]["tokens"] for row in measured
+                             for k in measured[0] if ":" in k)
+    log(f"  the same greedy tokens in every variant: {out['same_tokens']}")
     return out
 
 
@@ -689,6 +729,7 @@ def main() -> int:
                "cmdbuf": lambda: command_buffer_variants(args.smoke, attention, profile),
                "levers": lambda: levers(args.smoke, attention, profile),
                "dummy": lambda: dummy_load(args.smoke),
+               "sp_a2a": lambda: sp_all_to_all(args.smoke, attention, profile),
                "engine": lambda: engine_loop(args.smoke, attention, args.engine_variants.split(","),
                                              args.engine_rounds)}
     parts = [p for p in args.parts.split(",") if p]
