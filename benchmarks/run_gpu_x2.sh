@@ -15,7 +15,7 @@ for part in ${PARTS:-ceilings correct steps_mesh steps_1gpu engine startup}; do
   if [ "$part" = startup ]; then
     timeout "${PART_TIMEOUT:-240}" python3 -P benchmarks/startup.py --model benchmarks/configs/Llama-3.1-8B \
       --load-format dummy --tokenizer benchmarks/configs/smollm2-tokenizer --dtype bfloat16 --sp 2 \
-      --num-pages 4096 --token-buckets 16,64,128 --seq-buckets 1,4,8 --gemm "${STARTUP_GEMM:-cublas}" \
+      --num-pages 4096 --token-buckets 16,64,128 --seq-buckets 8 --gemm "${STARTUP_GEMM:-cublas}" \
       --conditions "cold,executable store,executable store" --repeats 1 --out "$OUT/startup" 2>&1 \
       | tee "$OUT/startup.log" | grep -v "^WARNING\|^I0000\|^W0000"
     continue

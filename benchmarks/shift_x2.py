@@ -477,14 +477,18 @@ COMMAND_BUFFER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLAS
 
 
 @contextlib.contextmanager
+# the engine variants that set EngineConfig.gemm (engine_loop); the others keep the default
+_VARIANT_GEMM = {"cublas": "cublas", "triton": "triton", "triton_small_graphs": "triton"}
+
+
 def _step_variant(variant: str):
-    """``shipped``: the engine as it is (XLA's Triton GEMMs and defaults).
-    ``cublas``: its steps with ``gemm="cublas"`` (cuBLAS GEMMs, command buffers down to one
-    command). ``triton_small_graphs``: Triton GEMMs, command buffers down to one command
-    (XLA's default: five). ``in_step_sampler``: its steps made with the
-    in-step sampler of before (whose ``lax.cond`` skips blocked the host on the GPU).
+    """``shipped``: the engine as it is (its default GEMM backend and options).
+    ``cublas`` / ``triton``: its steps with that ``gemm`` (cuBLAS: command buffers down to
+    one command; Triton: XLA's defaults). ``triton_small_graphs``: Triton GEMMs, command
+    buffers down to one command (XLA's default: five). ``in_step_sampler``: its steps made
+    with the in-step sampler of before (whose ``lax.cond`` skips blocked the host on the GPU).
     ``command_buffers``: its steps compiled with ``COMMAND_BUFFER_OPTIONS``."""
-    if variant in ("shipped", "cublas"):  # the latter an EngineConfig field (engine_loop)
+    if variant in ("shipped", *_VARIANT_GEMM) and variant != "triton_small_graphs":
         yield
         return
     if variant in ("command_buffers", "triton_small_graphs"):
@@ -568,7 +572,7 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
                                                   token_buckets=(64, prefill_budget),
                                                   seq_buckets=seq_counts, mode="tp", attention=attention,
                                                   layer_loop="unrolled",
-                                                  gemm="cublas" if variant == "cublas" else "triton"))
+                                                  gemm=_VARIANT_GEMM.get(variant, EngineConfig.gemm)))
         out[f"{variant}:startup"] = {"seconds": time.perf_counter() - started, "phases": engine.startup_seconds}
         engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
         engine.scheduler.commit = clock.wrap("commit", engine.scheduler.commit)
@@ -697,7 +701,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on 4 virtual CPU devices")
     parser.add_argument("--parts", default=PARTS)
     parser.add_argument("--engine-variants", default="shipped,in_step_sampler",
-                        help="engines the engine part measures: shipped, cublas (gemm='cublas'), "
+                        help="engines the engine part measures: shipped, cublas, triton (EngineConfig.gemm), "
                              "triton_small_graphs (Triton GEMMs, command buffers down to one command), "
                              "command_buffers (compiled with "
                              "COMMAND_BUFFER_OPTIONS), in_step_sampler (the steps sample in the step, with "

@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sp", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--mode", default="auto")
-    parser.add_argument("--gemm", default="triton", choices=("triton", "cublas"), help="EngineConfig.gemm")
+    parser.add_argument("--gemm", default="cublas", choices=("triton", "cublas"), help="EngineConfig.gemm")
     parser.add_argument("--compile-workers", type=int, default=None, help="EngineConfig.compile_workers")
     parser.add_argument("--token-buckets", default="16,64")
     parser.add_argument("--seq-buckets", default="1,4")

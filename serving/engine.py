@@ -54,10 +54,10 @@ class EngineConfig:
     # scan | unrolled | auto (unrolled on GPUs, where the scan copies every layer's weights
     # each step: 2.3x slower decode on the H200; scan elsewhere, for compile time)
     layer_loop: str = "auto"
-    # triton | cublas: who runs the GEMMs on GPUs, in every step (executables.xla_compiler_options):
-    # cuBLAS compiles ~15x faster and prefills 4-7% faster on the H200, one sequence decodes
-    # 1.07x slower
-    gemm: str = "triton"
+    # cublas | triton: who runs the GEMMs on GPUs, in every step (executables.xla_compiler_options):
+    # on the H200 cuBLAS compiles ~15x faster (and concurrently) and prefills 4-7% faster;
+    # Triton decodes one sequence 1.07-1.09x faster
+    gemm: str = "cublas"
     # executables compiled at once at start-up (default: executables.compile_workers)
     compile_workers: int | None = None
     cache_dtype: str | None = None  # default: the weights' dtype

@@ -51,12 +51,16 @@ class BucketLadder:
                 raise ValueError(f"{name} must be strictly increasing positive integers, got {values}")
 
     @classmethod
-    def geometric(cls, max_tokens: int, max_seqs: int, *, min_tokens: int = 16, factor: int = 4,
-                  multiple: int = 1):
+    def geometric(cls, max_tokens: int, max_seqs: int, *, min_tokens: int = 16, min_seqs: int = 8,
+                  factor: int = 4, multiple: int = 1):
         """Token buckets ``min_tokens * factor**i`` up to ``max_tokens`` (which is always one),
         rounded up to multiples of ``multiple`` (the SP degree), and sequence buckets
-        ``factor**i`` up to ``max_seqs``. Each bucket is one executable per mode, compiled at
-        start, so the ladder trades padding against start-up time."""
+        ``min_seqs * factor**i`` up to ``max_seqs``. Each bucket is one executable per mode,
+        compiled at start, so the ladder trades padding against start-up time. No sequence
+        bucket below 8: one decoding sequence in a bucket of 8 ran as fast as in a bucket of
+        one, within the +-0.5 ms noise (Llama-3.1-8B shape, TP on 2x H200; x2_results.md,
+        "A sequence bucket costs nothing measurable"), and each bucket dropped takes a
+        compile per mode off every cold start."""
         def ladder(first, last):
             values, v = [], first
             while v < last:
@@ -65,7 +69,7 @@ class BucketLadder:
             return values + [last]
 
         tokens = [-(-t // multiple) * multiple for t in ladder(min(min_tokens, max_tokens), max_tokens)]
-        return cls(tuple(sorted(set(tokens))), tuple(ladder(1, max_seqs)))
+        return cls(tuple(sorted(set(tokens))), tuple(ladder(min(min_seqs, max_seqs), max_seqs)))
 
     @property
     def result_rows(self) -> int:
@@ -167,7 +171,7 @@ def batch_sharding(weights: ModelWeights) -> NamedSharding:
     return NamedSharding(weights.mesh, REPLICATED)
 
 
-def compile_workers(platform: str, gemm: str = "triton") -> int:
+def compile_workers(platform: str, gemm: str = "cublas") -> int:
     """How many executables compile at once. On the CPU, all of them (XLA compiles outside
     the GIL). On a GPU with Triton GEMMs, one: measured on 2x H200 with the unrolled 32-layer
     8B step, 16 compiles at once had not finished one in 520 s
@@ -198,8 +202,11 @@ def xla_compiler_options(gemm: str, platform: str) -> dict | None:
     or Triton"): with cuBLAS, eight steps compiled in 11.5 s instead of 177.6 s and 2048-
     and 4096-token prefill steps ran 4-7% faster in every mode; in the engine's TP decode
     loop it was 1.03x / 1.04x faster at 8 / 64 sequences and 1.07x slower at one, where the
-    host's launch bounds the step. Triton stays the default: one sequence's latency, and
-    the GPU checks of both modes' tokens and logits ran with it."""
+    host's launch bounds the step. Both backends gave one GPU's greedy tokens in TP, SP and
+    alternate on the mesh, with bit-identical TP and SP logits (the ``correct`` part).
+    cuBLAS is the default (``EngineConfig.gemm``): it starts in a third of the time (its
+    steps also compile at once, :func:`compile_workers`) and serves batches faster;
+    ``"triton"`` for the lowest latency of one sequence."""
     if gemm not in GEMM_BACKENDS:
         raise ValueError(f"gemm must be one of {GEMM_BACKENDS}, got {gemm!r}")
     if platform != "gpu" or gemm == "triton":
@@ -208,7 +215,7 @@ def xla_compiler_options(gemm: str, platform: str) -> dict | None:
 
 
 def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, modes, *,
-                max_pages: int, attention: str = "auto", layer_loop: str = "scan", gemm: str = "triton",
+                max_pages: int, attention: str = "auto", layer_loop: str = "scan", gemm: str = "cublas",
                 max_top_logprobs: int = 0, sample_in_step: bool = True, progress: Callable[[int, int, float], None] | None = None,
                 workers: int | None = None, store: ExecutableStore | None = None,
                 report: Callable[[str], None] | None = None, only: Collection[tuple] | None = None) -> Executables:
@@ -310,7 +317,7 @@ def _lower_steps(weights, caches, steps, *, result_rows, max_pages, attention, l
 
 def temporary_bytes(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, modes, *,
                     max_pages: int, attention: str, layer_loop: str, max_top_logprobs: int,
-                    sample_in_step: bool = True, gemm: str = "triton") -> int:
+                    sample_in_step: bool = True, gemm: str = "cublas") -> int:
     """The largest per-device temporary buffer size of the largest bucket's step in any mode,
     from XLA's memory analysis: what the page pool must leave free. ``caches`` may be
     abstract (``ShapeDtypeStruct``) and small; the step updates them in place, so their

@@ -343,8 +343,10 @@ def test_sampling_params_are_validated(field, value):
 
 def test_bucket_ladder():
     ladder = BucketLadder.geometric(128, 8, multiple=2)
-    assert ladder.token_buckets == (16, 64, 128) and ladder.seq_buckets == (1, 4, 8)
-    assert ladder.pick(17, 3) == (64, 4)
+    assert ladder.token_buckets == (16, 64, 128) and ladder.seq_buckets == (8,)  # none below 8
+    assert ladder.pick(17, 3) == (64, 8) and ladder.pick(1, 1) == (16, 8)
+    assert BucketLadder.geometric(8192, 256).seq_buckets == (8, 32, 128, 256)
+    assert BucketLadder.geometric(64, 4).seq_buckets == (4,)
     with pytest.raises(NoBucket, match="129 tokens"):
         ladder.pick(129, 1)
     with pytest.raises(ValueError, match="strictly increasing"):
@@ -406,7 +408,7 @@ def test_allocator_never_hands_out_the_scratch_page():
 
 def test_gemm_backend_options():
     """Who runs the GEMMs is an XLA compile option on GPUs only, one for every step of an
-    engine (TP and SP steps must do the same arithmetic); Triton, XLA's default, unless asked."""
+    engine (TP and SP steps must do the same arithmetic); cuBLAS unless asked."""
     cublas = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_graph_min_graph_size": 1}
     assert exe.xla_compiler_options("triton", "gpu") is None
     assert exe.xla_compiler_options("cublas", "gpu") == cublas
@@ -415,14 +417,14 @@ def test_gemm_backend_options():
         exe.xla_compiler_options("cutlass", "gpu")
     with pytest.raises(ValueError, match="gemm must be one of"):
         EngineConfig(gemm="cutlass")
-    assert EngineConfig().gemm == "triton"
+    assert EngineConfig().gemm == "cublas"
 
     from shiftjax.serving.engine_args import engine_options
     from shiftjax.serving.serve_cli import _parser
 
     gemm = next(a for a in _parser()._actions if a.dest == "gemm")
     assert tuple(gemm.choices) == exe.GEMM_BACKENDS and gemm.default == EngineConfig().gemm
-    assert EngineConfig(**engine_options(_parser().parse_args(["--gemm", "cublas"]))).gemm == "cublas"
+    assert EngineConfig(**engine_options(_parser().parse_args(["--gemm", "triton"]))).gemm == "triton"
     with pytest.raises(SystemExit):
         _parser().parse_args(["--gemm", "cutlass"])
 
