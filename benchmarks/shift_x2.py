@@ -476,11 +476,11 @@ COMMAND_BUFFER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLAS
                           "xla_gpu_graph_min_graph_size": "1"}
 
 
-@contextlib.contextmanager
 # the engine variants that set EngineConfig.gemm (engine_loop); the others keep the default
 _VARIANT_GEMM = {"cublas": "cublas", "triton": "triton", "triton_small_graphs": "triton"}
 
 
+@contextlib.contextmanager
 def _step_variant(variant: str):
     """``shipped``: the engine as it is (its default GEMM backend and options).
     ``cublas`` / ``triton``: its steps with that ``gemm`` (cuBLAS: command buffers down to
