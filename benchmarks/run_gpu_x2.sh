@@ -3,7 +3,8 @@
 # step table and the engine loop (benchmarks/shift_x2.py), each part in its own process
 # so that one failure or timeout keeps the others' numbers; the part "startup" is target 5,
 # `serve`'s default ladder started cold and from the executable store (benchmarks/startup.py,
-# GEMMs by $STARTUP_GEMM, default cublas).
+# GEMMs by $STARTUP_GEMM, default cublas; $STARTUP_PAGES KV-cache pages, 0: sized from memory as
+# serve's default, default 4096).
 #   COMMIT=<sha> bash benchmarks/run_gpu_x2.sh     # JSON + logs under $OUT; X2_ARGS: more shift_x2.py arguments
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -15,7 +16,7 @@ for part in ${PARTS:-ceilings correct steps_mesh steps_1gpu engine startup}; do
   if [ "$part" = startup ]; then
     timeout "${PART_TIMEOUT:-240}" python3 -P benchmarks/startup.py --model benchmarks/configs/Llama-3.1-8B \
       --load-format dummy --tokenizer benchmarks/configs/smollm2-tokenizer --dtype bfloat16 --sp 2 \
-      --num-pages 4096 --token-buckets 16,64,128 --seq-buckets 8 --gemm "${STARTUP_GEMM:-cublas}" \
+      --num-pages "${STARTUP_PAGES:-4096}" --token-buckets 16,64,128 --seq-buckets 8 --gemm "${STARTUP_GEMM:-cublas}" \
       --conditions "cold,executable store,executable store" --repeats 1 --out "$OUT/startup" 2>&1 \
       | tee "$OUT/startup.log" | grep -v "^WARNING\|^I0000\|^W0000"
     continue

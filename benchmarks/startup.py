@@ -84,7 +84,8 @@ def main(argv=None) -> int:
     parser.add_argument("--compile-workers", type=int, default=None, help="EngineConfig.compile_workers")
     parser.add_argument("--token-buckets", default="16,64")
     parser.add_argument("--seq-buckets", default="1,4")
-    parser.add_argument("--num-pages", type=int, default=64)
+    parser.add_argument("--num-pages", type=int, default=64,
+                        help="KV-cache pages; 0: sized from device memory, as serve does by default")
     parser.add_argument("--cpu-devices", action="store_true", help="run on sp x tp virtual CPU devices")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--conditions", default="cold,compilation cache,executable store",
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
         model, args.load_format = str(work / "model"), "dummy"
     options = dict(model=model, load_format=args.load_format, tokenizer=args.tokenizer, dtype=args.dtype,
                    sp=args.sp, tp=args.tp, mode=args.mode, gemm=args.gemm,
-                   compile_workers=args.compile_workers, num_pages=args.num_pages, max_model_len=128,
+                   compile_workers=args.compile_workers, num_pages=args.num_pages or None, max_model_len=128,
                    max_num_seqs=max(int(b) for b in args.seq_buckets.split(",")),
                    max_num_batched_tokens=max(int(t) for t in args.token_buckets.split(",")),
                    token_buckets=[int(t) for t in args.token_buckets.split(",")],

@@ -181,6 +181,11 @@ class Engine:
                                max_top_logprobs=config.max_top_logprobs, sample_in_step=False)
         # Seconds per start-up phase, for the log and ServerInfo: a slow start says where it went.
         self.startup_seconds: dict[str, float] = {}
+        store = None
+        if config.executable_store and jax.process_count() > 1:
+            report("executable store off: a multi-process mesh would need one writer and agreed hits")
+        elif config.executable_store:
+            store = ExecutableStore(Path(config.executable_store))
         with self._phase("kv_cache"):  # sizing the page pool, then the cache and its fill
             self.page_pool = page_pool.size_pool(
                 num_pages=config.num_pages, kv_memory_fraction=config.kv_memory_fraction,
@@ -191,7 +196,7 @@ class Engine:
                 temporary_bytes=lambda: exe.temporary_bytes(
                     weights, page_pool.abstract_cache(weights.mesh, model.num_layers, weights.layout.kv_slots,
                                                       model.head_dim, config.page_size, dtype),
-                    ladder, self.modes, **compile_options))
+                    ladder, self.modes, store=store, workers=config.compile_workers, **compile_options))
             report(self.page_pool.explanation)
             num_pages = self.page_pool.num_pages
             self.scheduler = Scheduler(SchedulerConfig(
@@ -207,11 +212,6 @@ class Engine:
 
         report(f"making {len(ladder.pairs()) * len(self.modes)} executables (modes {', '.join(self.modes)}; "
                f"token buckets {ladder.token_buckets}, sequence buckets {ladder.seq_buckets})")
-        store = None
-        if config.executable_store and jax.process_count() > 1:
-            report("executable store off: a multi-process mesh would need one writer and agreed hits")
-        elif config.executable_store:
-            store = ExecutableStore(Path(config.executable_store))
         self.executables = exe.compile_all(weights, self.caches, ladder, self.modes, progress=progress,
                                            store=store, report=report, workers=config.compile_workers,
                                            **compile_options)

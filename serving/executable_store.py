@@ -116,6 +116,15 @@ def sampler_key(weights: ModelWeights, **sampler_options) -> str:
     return "sampler-" + _key(weights, sampler=sampler_options)
 
 
+def temporaries_key(weights: ModelWeights, caches: KVCache, *, modes, **step_options) -> str:
+    """The store key of the steps' temporary buffer size (``executables.temporary_bytes``,
+    which compiles the largest steps to learn it): a function of the same things as those
+    steps' keys, ``caches`` the abstract ones it lowers against."""
+    return "temporaries-" + _key(weights, inputs=[[_abstract(params_for(weights, mode)) for mode in modes],
+                                                  _abstract(caches)],
+                                 step={"modes": list(modes), **step_options})
+
+
 def _key(weights: ModelWeights, **program) -> str:
     mesh = weights.mesh
     description = {
@@ -166,13 +175,36 @@ class ExecutableStore:
                 report(f"executable {key[:20]} not stored ({type(error).__name__}: {error})")
 
     def save(self, key: str, compiled: jax.stages.Compiled) -> None:
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         payload = pickle.dumps(serialize_executable.serialize(compiled))
         header = json.dumps({"format": FORMAT_VERSION, "key": key, "sha256": hashlib.sha256(payload).hexdigest()})
-        # a name of this process and call: two writers of one key never share a file
-        partial = self.directory / f".{key}.partial-{os.getpid()}-{uuid.uuid4().hex}"
+        self._write(self._path(key), header.encode() + b"\n" + payload)
+
+    def load_number(self, key: str) -> int | None:
+        """The number saved under ``key`` (:meth:`save_number`), or None: not saved, or
+        unreadable (then it is measured again and replaced)."""
         try:
-            partial.write_bytes(header.encode() + b"\n" + payload)
-            partial.replace(self._path(key))
+            fields = json.loads(self._number_path(key).read_text())
+            if fields.get("format") == FORMAT_VERSION and fields.get("key") == key and type(fields.get("value")) is int:
+                return fields["value"]
+        except (OSError, ValueError):
+            pass
+        return None
+
+    def save_number(self, key: str, value: int) -> None:
+        """A number measured at start-up (the steps' temporary bytes), kept so that a warm
+        start need not compile the steps that measure it."""
+        self._write(self._number_path(key), json.dumps({"format": FORMAT_VERSION, "key": key, "value": int(value)}).encode())
+
+    def _number_path(self, key: str) -> Path:
+        return self.directory / f"{key}.json"
+
+    def _write(self, path: Path, content: bytes) -> None:
+        """``content`` at ``path``, atomically: a temporary file of this process, then rename."""
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # a name of this process and call: two writers of one path never share a file
+        partial = self.directory / f".{path.name}.partial-{os.getpid()}-{uuid.uuid4().hex}"
+        try:
+            partial.write_bytes(content)
+            partial.replace(path)
         finally:
             partial.unlink(missing_ok=True)

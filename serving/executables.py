@@ -29,7 +29,7 @@ from shiftjax.batch import PER_SEQUENCE_FIELDS, PER_TOKEN_FIELDS, StepBatch, emp
 from shiftjax.cache import KVCache
 from shiftjax.layouts.specs import REPLICATED
 from shiftjax.serving.batch_upload import BatchUpload, abstract_upload, pack_batch, unpack_batch
-from shiftjax.serving.executable_store import ExecutableStore, step_key
+from shiftjax.serving.executable_store import ExecutableStore, step_key, temporaries_key
 from shiftjax.serving.token_fills import take_sampled_tokens
 from shiftjax.steps import StepOutput, make_step, params_for
 from shiftjax.weights import ModelWeights
@@ -317,22 +317,42 @@ def _lower_steps(weights, caches, steps, *, result_rows, max_pages, attention, l
 
 def temporary_bytes(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, modes, *,
                     max_pages: int, attention: str, layer_loop: str, max_top_logprobs: int,
-                    sample_in_step: bool = True, gemm: str = "cublas") -> int:
+                    sample_in_step: bool = True, gemm: str = "cublas", store: ExecutableStore | None = None,
+                    workers: int | None = None) -> int:
     """The largest per-device temporary buffer size of the largest bucket's step in any mode,
     from XLA's memory analysis: what the page pool must leave free. ``caches`` may be
     abstract (``ShapeDtypeStruct``) and small; the step updates them in place, so their
-    size does not change the temporaries."""
+    size does not change the temporaries. The steps compile ``workers`` at a time (default
+    :func:`compile_workers`); with a ``store`` the size is read from it when it holds one
+    for these steps, else measured and saved there (a warm start compiles nothing)."""
     largest = BucketLadder((ladder.token_buckets[-1],), (ladder.seq_buckets[-1],))
+    options = dict(max_pages=max_pages, attention=attention, layer_loop=layer_loop,
+                   max_top_logprobs=max_top_logprobs, sample_in_step=sample_in_step)
+    platform = weights.mesh.devices.flat[0].platform
+    compiler_options = xla_compiler_options(gemm, platform)
+    key = None
+    if store is not None:
+        key = temporaries_key(weights, caches, modes=modes, num_tokens=largest.token_buckets[0],
+                              num_seqs=largest.seq_buckets[0], result_rows=ladder.result_rows,
+                              compiler_options=compiler_options, **options)
+        saved = store.load_number(key)
+        if saved is not None:
+            return saved
     lowered = _lower_steps(weights, caches, _steps(weights, largest, modes), result_rows=ladder.result_rows,
-                           max_pages=max_pages,
-                           attention=attention, layer_loop=layer_loop, max_top_logprobs=max_top_logprobs,
-                           sample_in_step=sample_in_step)
-    sizes = []
-    compiler_options = xla_compiler_options(gemm, weights.mesh.devices.flat[0].platform)
-    for step in lowered.values():
+                           **options)
+
+    def size(step) -> int:
         analysis = step.compile(compiler_options).memory_analysis()
-        sizes.append(0 if analysis is None else int(analysis.temp_size_in_bytes))
-    return max(sizes)
+        return 0 if analysis is None else int(analysis.temp_size_in_bytes)
+
+    with concurrent.futures.ThreadPoolExecutor(min(len(lowered), workers or compile_workers(platform, gemm))) as pool:
+        largest_size = max(pool.map(size, lowered.values()))
+    if store is not None:
+        try:
+            store.save_number(key, largest_size)
+        except OSError:
+            pass  # a full disk or a read-only store: measured again next time
+    return largest_size
 
 
 class JaxCompileEvents:

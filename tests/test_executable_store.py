@@ -251,3 +251,35 @@ def test_a_stored_sampler_samples_as_compiled_and_one_that_fails_is_compiled_aga
     assert engine.samplers.loaded_from_store == 0 and engine.executables.loaded_from_store == 4
     assert not any(isinstance(e, Broken) for e in engine.samplers.compiled.values())
     assert samples(engine) == samples(cold)
+
+
+def test_the_temporaries_size_is_measured_once_then_read(weights, tmp_path, lowered_steps):
+    """Sizing the page pool from memory compiles the largest steps to learn their
+    temporaries; with a store, a warm start reads that size instead, and a change of any
+    option the steps depend on, or a damaged entry, measures it again."""
+    from shiftjax.serving.page_pool import abstract_cache
+
+    store = executable_store.ExecutableStore(tmp_path / "store")
+    caches = abstract_cache(weights.mesh, CONFIG.num_layers, weights.layout.kv_slots, CONFIG.head_dim, 4, "float32")
+    ladder = exe.BucketLadder((4, 16), (4,))
+    options = dict(max_pages=16, attention="reference", layer_loop="scan", max_top_logprobs=2)
+
+    def measure(**changes):
+        return exe.temporary_bytes(weights, caches, ladder, ("tp", "sp"), store=store, **options | changes)
+
+    size = measure()
+    assert lowered_steps == [("tp", 16, 4), ("sp", 16, 4)] and size == exe.temporary_bytes(
+        weights, caches, ladder, ("tp", "sp"), **options)
+    [entry] = (tmp_path / "store").glob("temporaries-*.json")
+    lowered_steps.clear()
+    assert measure() == size and lowered_steps == []  # read, not compiled
+    measure(max_top_logprobs=0)
+    assert lowered_steps == [("tp", 16, 4), ("sp", 16, 4)]  # another step, another entry
+    assert len(list((tmp_path / "store").glob("temporaries-*.json"))) == 2
+    lowered_steps.clear()
+    entry.write_text('{"format": 1, "key": "other", "value": 5}')
+    assert measure() == size and lowered_steps == [("tp", 16, 4), ("sp", 16, 4)]
+    entry.write_text("{not json")
+    lowered_steps.clear()
+    assert measure() == size and len(lowered_steps) == 2
+    assert json.loads(entry.read_text())["value"] == size  # replaced
