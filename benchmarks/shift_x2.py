@@ -250,7 +250,8 @@ def big_config(smoke: bool):
 
 def step_table(smoke: bool, attention: str, profile: bool, where: str) -> dict:
     """``where == "mesh"``: TP and SP steps on both GPUs; ``"1gpu"``: one GPU with the DP
-    share of the same work (half the sequences, one of the two prompts)."""
+    share of the same work (half the sequences, one of the two prompts). Compiled with the
+    engine's default GEMM backend (``EngineConfig.gemm``; Triton before ``199e917``)."""
     config = big_config(smoke)
     ctx, prompt, max_pages = (64, 64, 8) if smoke else (1024, 2048, 260)
     params = device_random_params(config, jnp.bfloat16)
@@ -270,8 +271,11 @@ def step_table(smoke: bool, attention: str, profile: bool, where: str) -> dict:
         shapes = dict(list(shapes.items())[:1] + list(shapes.items())[-1:])
     weights = shard_params(params, config, mesh)
     del params
-    out = {"layers": config.num_layers, "weight_bytes_per_device": weight_bytes_per_device(weights, mesh)}
-    out.update(time_steps(weights, mesh, shapes, attention=attention, profile=profile, num_pages=num_pages))
+    gemm = EngineConfig.gemm
+    out = {"layers": config.num_layers, "weight_bytes_per_device": weight_bytes_per_device(weights, mesh),
+           "gemm": gemm}
+    out.update(time_steps(weights, mesh, shapes, attention=attention, profile=profile, num_pages=num_pages,
+                          compiler_options=executables_module.xla_compiler_options(gemm, jax.devices()[0].platform)))
     return out
 
 
@@ -307,7 +311,8 @@ def levers(smoke: bool, attention: str, profile: bool) -> dict:
     part (mesh (2, 1): both modes, as ``serve --sp 2``; steps without the in-step sampler, as
     the engine's):
 
-    - ``default`` / ``cublas`` (every GEMM by cuBLAS instead of autotuned Triton: small-M
+    - ``default`` (XLA's defaults: Triton GEMMs, the engine's default before ``199e917``) /
+      ``cublas`` (every GEMM by cuBLAS instead of autotuned Triton: small-M
       GEMMs, and compile time) / ``one_shot`` (XLA's one-shot all-reduce kernel) on decode
       steps at the engine's buckets, and on the SP, TP and DP prefill of equal work;
     - ``dec1`` against ``dec1_in_8``: one decoding sequence in a 1- and an 8-sequence bucket

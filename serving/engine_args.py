@@ -63,7 +63,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     # executables.GEMM_BACKENDS (not imported: this module is read before JAX is configured)
     engine.add_argument("--gemm", choices=("triton", "cublas"), default="cublas",
                         help="who runs the GEMMs on GPUs: cuBLAS (compiles ~15x faster, prefills 4-7%% faster) "
-                             "or XLA's autotuned Triton GEMMs (one sequence decodes 1.07-1.09x faster)")
+                             "or XLA's autotuned Triton GEMMs (one sequence decoded 1.07-1.09x faster in a bucket of 1)")
     engine.add_argument("--compile-workers", type=int, default=None,
                         help="executables compiled at once at start-up (default: all on the CPU; on GPUs "
                              "one with Triton GEMMs, whose autotuning serialises, and a quarter of the "
@@ -198,6 +198,11 @@ def build_data_parallel_service(args: argparse.Namespace, *, observer=None, repo
                            f"({devices[0].platform}); lower --dp, or on the CPU give --cpu-devices {args.dp}")
     tokenizer = load_tokenizer(tokenizer_path_for(args.model, args.load_format, args.tokenizer))
     summed = StartupSummer(observer) if observer is not None else None
+    if args.compile_workers is None:  # the replicas compile at the same time: share the CPUs
+        from shiftjax.serving.executables import compile_workers
+
+        workers = max(1, compile_workers(devices[0].platform, args.gemm) // args.dp)
+        args = argparse.Namespace(**{**vars(args), "compile_workers": workers})
 
     def build_engine(index: int):
         def replica_report(message: str) -> None:

@@ -30,8 +30,9 @@ that fails. The store is off unless asked for (``--executable-store``), for one
 process only (a multi-process mesh would need one writer and agreed hits), and a stored
 file is code that runs: keep the directory private. The KV cache's page count is part of
 the inputs, so give ``--num-pages`` for a key that holds across starts (a pool sized from
-free memory may differ by a page, and sizing it lowers the largest step once more). Old
-entries are not pruned: a new source tree writes a new set.
+free memory may differ by a page; the size of the steps' temporaries that sizing needs is
+kept here too, :meth:`ExecutableStore.save_number`). Old entries are not pruned: a new
+source tree writes a new set.
 """
 
 from __future__ import annotations

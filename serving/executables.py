@@ -69,7 +69,8 @@ class BucketLadder:
             return values + [last]
 
         tokens = [-(-t // multiple) * multiple for t in ladder(min(min_tokens, max_tokens), max_tokens)]
-        return cls(tuple(sorted(set(tokens))), tuple(ladder(min(min_seqs, max_seqs), max_seqs)))
+        # (a sequence bucket above the largest token bucket would pair with no token bucket)
+        return cls(tuple(sorted(set(tokens))), tuple(ladder(min(min_seqs, max_seqs, tokens[-1]), max_seqs)))
 
     @property
     def result_rows(self) -> int:
@@ -179,12 +180,24 @@ def compile_workers(platform: str, gemm: str = "cublas") -> int:
     13.5-17.7 s each (compare_x2.md), and 3 more after 6 took 12.6 s (x2_results.md): the
     concurrent compiles serialise under the autotuner's per-device lock and autotune the
     same fusions again, where a compile after another reuses its results. With cuBLAS GEMMs
-    there is little to autotune: 8 mesh steps compiled at once in 11.5 s
-    (x2_results.md, "GEMMs: cuBLAS or Triton"), so a quarter of the host's cores (each
-    compile runs LLVM on several threads of its own)."""
+    there is little to autotune: 8 mesh steps compiled at once in 11.5 s, and the 18 steps
+    of a ladder in 52.2 s against 123.2 s one at a time (x2_results.md, "GEMMs: cuBLAS or
+    Triton", "cuBLAS by default"), so a quarter of the usable cores (each compile runs
+    LLVM on several threads of its own). ``--dp`` replicas, which compile at the same time,
+    share them (engine_args.build_data_parallel_service)."""
+    cpus = usable_cpus()
     if platform != "gpu":
+        return cpus
+    return 1 if gemm == "triton" else max(1, cpus // 4)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, which a container's limit sets), not
+    the host's count."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # no affinity on this platform
         return os.cpu_count() or 1
-    return 1 if gemm == "triton" else max(1, (os.cpu_count() or 1) // 4)
 
 
 GEMM_BACKENDS = ("triton", "cublas")
@@ -204,8 +217,8 @@ def xla_compiler_options(gemm: str, platform: str) -> dict | None:
     loop it was 1.03x / 1.04x faster at 8 / 64 sequences and 1.07x slower at one, where the
     host's launch bounds the step. Both backends gave one GPU's greedy tokens in TP, SP and
     alternate on the mesh, with bit-identical TP and SP logits (the ``correct`` part).
-    cuBLAS is the default (``EngineConfig.gemm``): it starts in a third of the time (its
-    steps also compile at once, :func:`compile_workers`) and serves batches faster;
+    cuBLAS is the default (``EngineConfig.gemm``): it starts cold 5x faster (its steps
+    also compile at once, :func:`compile_workers`) and serves batches faster;
     ``"triton"`` for the lowest latency of one sequence."""
     if gemm not in GEMM_BACKENDS:
         raise ValueError(f"gemm must be one of {GEMM_BACKENDS}, got {gemm!r}")

@@ -51,7 +51,8 @@ def size_pool(*, num_pages: int | None, kv_memory_fraction: float | None, fallba
               page_bytes: int, mesh_devices, temporary_bytes=None) -> PagePool:
     """``num_pages`` when given; else ``kv_memory_fraction`` (default 0.9) of the device
     memory left after the weights already placed and the executables' temporaries
-    (``temporary_bytes()``, called only when needed: it compiles a probe step); on a
+    (``temporary_bytes()``, called only when needed: it compiles the largest steps, or reads
+    their size from the executable store); on a
     backend without memory statistics, ``fallback_pages`` (every sequence slot can reach
     max_model_len), saying so.
 

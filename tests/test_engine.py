@@ -5,8 +5,6 @@ module: every test leaves its engine with nothing queued or running. Log-probabi
 checked against transformers on the same weights (``test_parallel.transformers_model``).
 """
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -347,6 +345,8 @@ def test_bucket_ladder():
     assert ladder.pick(17, 3) == (64, 8) and ladder.pick(1, 1) == (16, 8)
     assert BucketLadder.geometric(8192, 256).seq_buckets == (8, 32, 128, 256)
     assert BucketLadder.geometric(64, 4).seq_buckets == (4,)
+    small = BucketLadder.geometric(4, 8)  # a token budget under 8 still gets a bucket pair
+    assert small.pairs() == [(4, 4)] and small.max_seqs() == 4 and small.pick(3, 2) == (4, 4)
     with pytest.raises(NoBucket, match="129 tokens"):
         ladder.pick(129, 1)
     with pytest.raises(ValueError, match="strictly increasing"):
@@ -433,11 +433,11 @@ def test_compile_workers(monkeypatch, weights):
     """Triton's autotuning serialises concurrent compiles on a GPU, so they run one at a
     time there; cuBLAS steps and CPU steps compile at once. An explicit count wins, and is
     validated."""
-    monkeypatch.setattr(os, "cpu_count", lambda: 32)
+    monkeypatch.setattr(exe, "usable_cpus", lambda: 32)
     assert exe.compile_workers("gpu", "triton") == 1
     assert exe.compile_workers("gpu", "cublas") == 8
     assert exe.compile_workers("cpu", "triton") == 32
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(exe, "usable_cpus", lambda: 2)
     assert exe.compile_workers("gpu", "cublas") == 1
     with pytest.raises(ValueError, match="compile_workers must be at least 1"):
         EngineConfig(compile_workers=0)

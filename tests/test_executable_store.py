@@ -283,3 +283,21 @@ def test_the_temporaries_size_is_measured_once_then_read(weights, tmp_path, lowe
     lowered_steps.clear()
     assert measure() == size and len(lowered_steps) == 2
     assert json.loads(entry.read_text())["value"] == size  # replaced
+
+
+def test_an_engine_sized_from_memory_starts_warm_without_compiling(weights, tmp_path, lowered_steps, monkeypatch):
+    """With no page count given, the engine sizes its pool from device memory, which needs
+    the steps' temporaries: the cold start compiles the largest steps for them, a warm start
+    reads them from the store and, its pool the same size, loads every step."""
+    from shiftjax.serving import page_pool
+
+    monkeypatch.setattr(page_pool, "device_memory", lambda devices: (8 * 2**20, 2**20))  # the CPU keeps none
+    store = str(tmp_path / "store")
+    cold = Engine(weights, EngineConfig(**OPTIONS, executable_store=store))
+    assert cold.page_pool.sized_by == "memory"
+    assert lowered_steps[:2] == [("tp", 16, 4), ("sp", 16, 4)]  # the temporaries' probe, then the ladder
+    lowered_steps.clear()
+    warm = Engine(weights, EngineConfig(**OPTIONS, executable_store=store))
+    assert warm.num_pages == cold.num_pages and lowered_steps == []
+    assert warm.executables.loaded_from_store == len(warm.executables.compiled)
+    assert tokens(warm) == tokens(cold)
