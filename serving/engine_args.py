@@ -66,8 +66,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "or XLA's autotuned Triton GEMMs (one sequence decoded 1.07-1.09x faster in a bucket of 1)")
     engine.add_argument("--compile-workers", type=int, default=None,
                         help="executables compiled at once at start-up (default: all on the CPU; on GPUs "
-                             "one with Triton GEMMs, whose autotuning serialises, and a quarter of the "
-                             "host's cores with cuBLAS)")
+                             "one with Triton GEMMs, whose autotuning serialises, and a quarter of the usable "
+                             "cores with cuBLAS)")
     engine.add_argument("--max-top-logprobs", type=int, default=20,
                         help="alternatives per token a request may ask for (0: none; a narrower step result)")
     engine.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
