@@ -19,6 +19,37 @@ from pathlib import Path
 import jax
 
 
+def timed_dummy_loads(config, mesh, log=print) -> dict:
+    """``dummy_weights`` made twice in this process ("first", "again": the second reuses the
+    first's programs, so what is left is generating): seconds, and the seconds and count of
+    each JAX duration event (tracing, lowering, compiling, cache reads) of each."""
+    from shiftjax.checkpoints.dummy import dummy_weights
+
+    seconds, counts = collections.defaultdict(float), collections.Counter()
+
+    def listen(name, secs, **_):
+        seconds[name.rsplit("/", 1)[-1]] += secs
+        counts[name.rsplit("/", 1)[-1]] += 1
+
+    out = {}
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for attempt in ("first", "again"):
+            seconds.clear()
+            counts.clear()
+            start = time.perf_counter()
+            weights = dummy_weights(config, mesh=mesh, dtype="bfloat16")
+            jax.block_until_ready(jax.tree.leaves(weights))
+            out[attempt] = {"seconds": time.perf_counter() - start, "jax_events_s": dict(seconds),
+                            "jax_event_counts": dict(counts)}
+            log(f"  dummy weights, {attempt}: {out[attempt]['seconds']:.2f} s; " + ", ".join(
+                f"{k} {v:.2f} s x{counts[k]}" for k, v in seconds.items()))
+            del weights
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a Hugging Face config.json or its directory")
@@ -32,7 +63,7 @@ def main(argv=None) -> int:
         jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    from shiftjax.checkpoints.dummy import dummy_weights, read_model_config
+    from shiftjax.checkpoints.dummy import read_model_config
     from shiftjax.config import ModelConfig
     from shiftjax.layouts.mesh import make_mesh
 
@@ -42,27 +73,11 @@ def main(argv=None) -> int:
     else:
         config = read_model_config(args.model)
     mesh = make_mesh(args.sp, args.tp, jax.devices()[:args.sp * args.tp])
-    events = collections.defaultdict(lambda: [0, 0.0])
-
-    def listen(name, seconds, **_):
-        events[name.rsplit("/", 1)[-1]][0] += 1
-        events[name.rsplit("/", 1)[-1]][1] += seconds
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
     out = {"config": dataclasses.asdict(config) if args.smoke else str(args.model),
-           "backend_ready_s": time.perf_counter() - began}
-    for attempt in ("first", "again"):
-        events.clear()
-        start = time.perf_counter()
-        weights = dummy_weights(config, mesh=mesh, dtype="bfloat16")
-        jax.block_until_ready(jax.tree.leaves(weights))
-        out[attempt] = {"seconds": time.perf_counter() - start, "jax_events": dict(events)}
-        del weights
+           "backend_ready_s": time.perf_counter() - began, **timed_dummy_loads(config, mesh)}
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "dummy_start.json").write_text(json.dumps(out, indent=1) + "\n")
-    print(f"dummy weights: first {out['first']['seconds']:.2f} s, again {out['again']['seconds']:.2f} s; "
-          + ", ".join(f"{k} {v[1]:.2f} s x{v[0]}" for k, v in out["first"]["jax_events"].items()))
     return 0
 
 

@@ -403,35 +403,10 @@ def sp_all_to_all(smoke: bool, attention: str, profile: bool) -> dict:
 
 def dummy_load(smoke: bool) -> dict:
     """Seconds ``--load-format dummy`` takes for the 8B shape at ``--sp 2``, twice in one
-    process (the second reuses the first's programs: what is left is generating), with JAX's
-    trace, lowering and compile time of each from ``jax.monitoring``."""
-    from shiftjax.checkpoints.dummy import dummy_weights
+    process (``dummy_start.timed_dummy_loads``)."""
+    from dummy_start import timed_dummy_loads
 
-    config = big_config(smoke)
-    mesh = make_mesh(2, 1, jax.devices()[:2])
-    seconds, counts = collections.defaultdict(float), collections.Counter()
-
-    def listen(name, secs, **_):
-        seconds[name.rsplit("/", 1)[-1]] += secs
-        counts[name.rsplit("/", 1)[-1]] += 1
-
-    out = {}
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        for attempt in ("first", "again"):
-            seconds.clear()
-            counts.clear()
-            start = time.perf_counter()
-            weights = dummy_weights(config, mesh=mesh, dtype="bfloat16")
-            jax.block_until_ready(jax.tree.leaves(weights))
-            out[attempt] = {"seconds": time.perf_counter() - start, "jax_events_s": dict(seconds),
-                            "jax_event_counts": dict(counts)}
-            log(f"  dummy weights, {attempt}: {out[attempt]['seconds']:.2f} s; " + ", ".join(
-                f"{k} {v:.2f} s x{counts[k]}" for k, v in seconds.items()))
-            del weights
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-    return out
+    return timed_dummy_loads(big_config(smoke), make_mesh(2, 1, jax.devices()[:2]), log=log)
 
 
 def _option_variants(smoke, attention, profile, mesh, weights, shapes, variants, **step_options) -> dict:
