@@ -458,6 +458,8 @@ COMMAND_BUFFER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLAS
 
 # the engine variants that set EngineConfig.gemm (engine_loop); the others keep the default
 _VARIANT_GEMM = {"cublas": "cublas", "triton": "triton", "triton_small_graphs": "triton"}
+# the engine variants whose steps compile with more XLA options (on top of the backend's)
+_VARIANT_OPTIONS = {"command_buffers": COMMAND_BUFFER_OPTIONS, "triton_small_graphs": {"xla_gpu_graph_min_graph_size": 1}}
 
 
 @contextlib.contextmanager
@@ -468,13 +470,10 @@ def _step_variant(variant: str):
     buffers down to one command (XLA's default: five). ``in_step_sampler``: its steps made
     with the in-step sampler of before (whose ``lax.cond`` skips blocked the host on the GPU).
     ``command_buffers``: its steps compiled with ``COMMAND_BUFFER_OPTIONS``."""
-    if variant in ("shipped", *_VARIANT_GEMM) and variant != "triton_small_graphs":
-        yield
-        return
-    if variant in ("command_buffers", "triton_small_graphs"):
+    if variant in _VARIANT_OPTIONS:
         target, name = jax.stages.Lowered, "compile"
         compile_lowered = jax.stages.Lowered.compile
-        extra = COMMAND_BUFFER_OPTIONS if variant == "command_buffers" else {"xla_gpu_graph_min_graph_size": 1}
+        extra = _VARIANT_OPTIONS[variant]
 
         def replacement(self, compiler_options=None, **kwargs):
             return compile_lowered(self, {**extra, **(compiler_options or {})}, **kwargs)
@@ -484,6 +483,9 @@ def _step_variant(variant: str):
 
         def replacement(*args, **kwargs):
             return make_step(*args, **{**kwargs, "sample_in_step": True})
+    elif variant == "shipped" or variant in _VARIANT_GEMM:  # nothing to patch (engine_loop sets gemm)
+        yield
+        return
     else:
         raise ValueError(f"unknown engine variant {variant!r}")
     original = getattr(target, name)
@@ -705,7 +707,8 @@ def main() -> int:
     for path in args.merge:
         with open(path) as f:
             RESULTS.update({k: v for k, v in json.load(f).items() if k not in RESULTS})
-    runners = {"ceilings": lambda: ceilings(args.smoke), "correct": lambda: correctness(args.smoke, attention, tuple(args.correct_gemms.split(","))),
+    runners = {"ceilings": lambda: ceilings(args.smoke),
+               "correct": lambda: correctness(args.smoke, attention, tuple(args.correct_gemms.split(","))),
                "steps_mesh": lambda: step_table(args.smoke, attention, profile, "mesh"),
                "steps_1gpu": lambda: step_table(args.smoke, attention, profile, "1gpu"),
                "allreduce": lambda: allreduce_variants(args.smoke, attention, profile),
