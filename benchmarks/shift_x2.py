@@ -8,8 +8,8 @@ Parts (``--parts``, comma separated): ``ceilings`` (per GPU: read-only stream = 
 reduction, device copy, bf16 matmul; best of several), ``correct`` (SmolLM2-shaped float32
 random model: greedy tokens of one GPU vs the 2-GPU mesh in TP, SP and alternate;
 Llama-3.1-8B shape in bf16: TP vs SP logits), ``steps`` (the compiled steps alone: wall
-and device span per step), ``sp_a2a`` (SP's all-to-alls against DP: NCCL kernels or copy
-engines), ``engine`` (the engine's steady-state decode loop, where host time shows). Ratios are against ceilings measured in the same run.
+and device span per step), ``sp_a2a`` (SP's all-to-alls against DP: whole, or in token
+chunks that overlap the projections), ``engine`` (the engine's steady-state decode loop, where host time shows). Ratios are against ceilings measured in the same run.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import sys
@@ -121,18 +122,20 @@ def weight_bytes_per_device(weights, mesh) -> list[int]:
 
 
 def time_steps(weights, mesh, shapes: dict, *, attention: str, profile: bool, num_pages: int,
-               compiler_options: dict | None = None, sample_in_step: bool = True) -> dict:
+               compiler_options: dict | None = None, sample_in_step: bool = True, a2a_chunks: int = 1) -> dict:
     """Wall (median, synchronised) and device span of each (mode, shape) step, compiled
     with XLA ``compiler_options`` (debug options by name) when given. ``sample_in_step``:
     see ``make_step`` (False: the engine's step, whose greedy packing holds no conditional;
-    the in-step sampler's conditionals block the host until the device reaches them)."""
+    the in-step sampler's conditionals block the host until the device reaches them).
+    ``a2a_chunks``: ``make_step``'s (SP mode's all-to-alls in token chunks)."""
     config = weights.config
     caches = allocate_cache(mesh, config.num_layers, weights.layout.kv_slots, config.head_dim,
                             CacheConfig(num_pages, PAGE, str(weights.tp.embed.dtype)))
     state = {"caches": caches}
     lowered = {}
     for mode, name in shapes:
-        step = make_step(weights, mode, attention=attention, layer_loop="unrolled", sample_in_step=sample_in_step)
+        step = make_step(weights, mode, attention=attention, layer_loop="unrolled", sample_in_step=sample_in_step,
+                         a2a_chunks=a2a_chunks)
         batch = to_device(shapes[(mode, name)], weights)
         lowered[(mode, name)] = (step.lower(params_for(weights, mode), caches, batch), batch)
     start = time.perf_counter()
@@ -147,13 +150,17 @@ def time_steps(weights, mesh, shapes: dict, *, attention: str, profile: bool, nu
         batch = lowered[(mode, name)][1]
         params = params_for(weights, mode)
 
-        def run(b):
+        def run(b, field="packed"):
             result, state["caches"] = executable(params, state["caches"], b)
-            return result.packed
+            return getattr(result, field)
 
         row = {"wall_ms": time_fn(run, batch, warmup=3, iters=15) * 1e3, "call_ms": _call_ms(run, batch),
                # the greedy tokens of the step (the same batch each call): variants must agree
                "tokens": np.asarray(run(batch))[:, 0].tolist(),
+               # the logits' bytes, where the step returns them: a variant that must not change
+               # the numbers (all-to-all chunks) shows it here, and SP against TP
+               "logits_sha1": None if sample_in_step else hashlib.sha1(
+                   np.asarray(run(batch, "logits").addressable_shards[0].data).tobytes()).hexdigest(),
                # XLA's command buffers as HLO calls; 0 on 2x H200 with JAX 0.11.2 even where they
                # were on (XLA forms them from the thunk sequence): compare the launch time instead
                "command_buffer_calls": executable.as_text().count("to_apply=%command_buffer")}
@@ -364,23 +371,32 @@ def levers(smoke: bool, attention: str, profile: bool) -> dict:
 
 
 def sp_all_to_all(smoke: bool, attention: str, profile: bool) -> dict:
-    """What SP's all-to-alls cost against DP (target 3), and whether XLA's copy-engine
-    path for them helps: SP prefill of 2 x 2048 and 4096 tokens and TP of 4096 on the mesh
-    (2, 1), DP's share (one prompt of 2048 on one GPU, the whole model), each with
-    ``--gemm cublas``'s options (``cublas``) and with all-to-alls among this process's GPUs
-    done by ``cudaMemcpy`` between peers instead of NCCL kernels (``memcpy_p2p``:
-    ``xla_gpu_use_memcpy_local_p2p``). Greedy tokens must agree between the variants."""
+    """What SP's all-to-alls cost against DP (target 3), and whether cutting them into token
+    chunks that overlap the projections helps: SP prefill of 2 x 2048 and 4096 tokens and TP
+    of 4096 on the mesh (2, 1), DP's share (one prompt of 2048 on one GPU, the whole model),
+    each with ``--gemm cublas``'s options. Variants: ``cublas`` (whole all-to-alls),
+    ``chunks<n>`` (``make_step(a2a_chunks=n)``), ``chunks<n>_lhs`` (the same with XLA's
+    latency-hiding scheduler, which may move a chunk's transfer behind the next GEMM). The
+    greedy tokens and the logits' bytes must agree between the variants."""
     config = big_config(smoke)
-    prompt, max_pages = (64, 8) if smoke else (2048, 260)
+    # on the CPU, prompts just long enough for 2 chunks of MIN_CHUNK_TOKENS a device
+    prompt, max_pages = (512, 32) if smoke else (2048, 260)
     shapes = {("sp", "pre2x2048"): prefill_batch(2, prompt, max_pages),
               ("sp", "pre4096"): prefill_batch(1, 2 * prompt, 2 * max_pages),
               ("tp", "pre4096"): prefill_batch(1, 2 * prompt, 2 * max_pages)}
     cublas = None if smoke else executables_module.xla_compiler_options("cublas", "gpu")  # GPU-only options
-    variants = {"cublas": cublas, "memcpy_p2p": {**(cublas or {}), "xla_gpu_use_memcpy_local_p2p": True}}
+    lhs = {**(cublas or {}), "xla_gpu_enable_latency_hiding_scheduler": True}
+    # name -> (XLA options, a2a_chunks); on the CPU, tiny prompts: chunks below MIN_CHUNK_TOKENS run whole
+    variants = {"cublas": (cublas, 1), "chunks2": (cublas, 2), "chunks4": (cublas, 4), "chunks8": (cublas, 8),
+                "chunks2_lhs": (lhs, 2), "chunks4_lhs": (lhs, 4)}
+    if smoke:  # the code paths only: whole and in chunks
+        variants = {name: variants[name] for name in ("cublas", "chunks2")}
     run = functools.partial(_option_variants, smoke, attention, profile, sample_in_step=False)
     mesh = make_mesh(2, 1, jax.devices()[:2])
     weights = shard_params(device_random_params(config, jnp.bfloat16), config, mesh)
-    out = run(mesh, weights, shapes, variants)
+    out = {}
+    for name, (options, chunks) in variants.items():
+        out.update(run(mesh, weights, shapes, {name: options}, a2a_chunks=chunks))
     del weights
     one = make_mesh(1, 1, jax.devices()[:1])
     weights = shard_params(device_random_params(config, jnp.bfloat16), config, one)
@@ -397,7 +413,12 @@ def sp_all_to_all(smoke: bool, attention: str, profile: bool) -> dict:
     measured = [out[name] for name in variants if name in out]
     out["same_tokens"] = all(row[k]["tokens"] == measured[0][k]["tokens"] for row in measured
                              for k in measured[0] if ":" in k)
-    log(f"  the same greedy tokens in every variant: {out['same_tokens']}")
+    out["same_logits"] = all(row[k]["logits_sha1"] == measured[0][k]["logits_sha1"] for row in measured
+                             for k in measured[0] if ":" in k)
+    out["sp_logits_equal_tp_4096"] = {name: out[name]["sp:pre4096"]["logits_sha1"] == out[name]["tp:pre4096"][
+        "logits_sha1"] for name in variants if name in out}
+    log(f"  the same greedy tokens in every variant: {out['same_tokens']}; the same logits' bytes: "
+        f"{out['same_logits']}; SP's logits bytes equal to TP's at 4096: {out['sp_logits_equal_tp_4096']}")
     return out
 
 
@@ -410,7 +431,8 @@ def dummy_load(smoke: bool) -> dict:
 
 
 def _option_variants(smoke, attention, profile, mesh, weights, shapes, variants, **step_options) -> dict:
-    """``time_steps`` of ``shapes`` once per set of XLA compile options (GPU-only sets skipped in --smoke)."""
+    """``time_steps`` of ``shapes`` once per set of XLA compile options (GPU-only sets skipped
+    in --smoke), with ``step_options`` (``time_steps``'s keywords)."""
     ctx = 64 if smoke else 1024
     out = {}
     for name, options in variants.items():
