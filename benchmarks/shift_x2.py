@@ -8,8 +8,8 @@ Parts (``--parts``, comma separated): ``ceilings`` (per GPU: read-only stream = 
 reduction, device copy, bf16 matmul; best of several), ``correct`` (SmolLM2-shaped float32
 random model: greedy tokens of one GPU vs the 2-GPU mesh in TP, SP and alternate;
 Llama-3.1-8B shape in bf16: TP vs SP logits), ``steps`` (the compiled steps alone: wall
-and device span per step), ``sp_a2a`` (SP's all-to-alls against DP: whole, or in token
-chunks that overlap the projections), ``engine`` (the engine's steady-state decode loop, where host time shows). Ratios are against ceilings measured in the same run.
+and device span per step), ``sp_a2a`` (SP's all-to-alls against DP: NCCL kernels or copy
+engines), ``engine`` (the engine's steady-state decode loop, where host time shows). Ratios are against ceilings measured in the same run.
 """
 
 from __future__ import annotations
@@ -122,20 +122,18 @@ def weight_bytes_per_device(weights, mesh) -> list[int]:
 
 
 def time_steps(weights, mesh, shapes: dict, *, attention: str, profile: bool, num_pages: int,
-               compiler_options: dict | None = None, sample_in_step: bool = True, a2a_chunks: int = 1) -> dict:
+               compiler_options: dict | None = None, sample_in_step: bool = True) -> dict:
     """Wall (median, synchronised) and device span of each (mode, shape) step, compiled
     with XLA ``compiler_options`` (debug options by name) when given. ``sample_in_step``:
     see ``make_step`` (False: the engine's step, whose greedy packing holds no conditional;
-    the in-step sampler's conditionals block the host until the device reaches them).
-    ``a2a_chunks``: ``make_step``'s (SP mode's all-to-alls in token chunks)."""
+    the in-step sampler's conditionals block the host until the device reaches them)."""
     config = weights.config
     caches = allocate_cache(mesh, config.num_layers, weights.layout.kv_slots, config.head_dim,
                             CacheConfig(num_pages, PAGE, str(weights.tp.embed.dtype)))
     state = {"caches": caches}
     lowered = {}
     for mode, name in shapes:
-        step = make_step(weights, mode, attention=attention, layer_loop="unrolled", sample_in_step=sample_in_step,
-                         a2a_chunks=a2a_chunks)
+        step = make_step(weights, mode, attention=attention, layer_loop="unrolled", sample_in_step=sample_in_step)
         batch = to_device(shapes[(mode, name)], weights)
         lowered[(mode, name)] = (step.lower(params_for(weights, mode), caches, batch), batch)
     start = time.perf_counter()
@@ -157,8 +155,8 @@ def time_steps(weights, mesh, shapes: dict, *, attention: str, profile: bool, nu
         row = {"wall_ms": time_fn(run, batch, warmup=3, iters=15) * 1e3, "call_ms": _call_ms(run, batch),
                # the greedy tokens of the step (the same batch each call): variants must agree
                "tokens": np.asarray(run(batch))[:, 0].tolist(),
-               # the logits' bytes, where the step returns them: a variant that must not change
-               # the numbers (all-to-all chunks) shows it here, and SP against TP
+               # the logits' bytes, where the step returns them: SP's against TP's, and a
+               # variant that must not change the numbers shows it here
                "logits_sha1": None if sample_in_step else hashlib.sha1(
                    np.asarray(run(batch, "logits").addressable_shards[0].data).tobytes()).hexdigest(),
                # XLA's command buffers as HLO calls; 0 on 2x H200 with JAX 0.11.2 even where they
@@ -371,32 +369,27 @@ def levers(smoke: bool, attention: str, profile: bool) -> dict:
 
 
 def sp_all_to_all(smoke: bool, attention: str, profile: bool) -> dict:
-    """What SP's all-to-alls cost against DP (target 3), and whether cutting them into token
-    chunks that overlap the projections helps: SP prefill of 2 x 2048 and 4096 tokens and TP
-    of 4096 on the mesh (2, 1), DP's share (one prompt of 2048 on one GPU, the whole model),
-    each with ``--gemm cublas``'s options. Variants: ``cublas`` (whole all-to-alls),
-    ``chunks<n>`` (``make_step(a2a_chunks=n)``), ``chunks<n>_lhs`` (the same with XLA's
-    latency-hiding scheduler, which may move a chunk's transfer behind the next GEMM). The
-    greedy tokens and the logits' bytes must agree between the variants."""
+    """What SP's all-to-alls cost against DP (target 3), and whether XLA's copy-engine
+    path for them helps: SP prefill of 2 x 2048 and 4096 tokens and TP of 4096 on the mesh
+    (2, 1), DP's share (one prompt of 2048 on one GPU, the whole model), each with
+    ``--gemm cublas``'s options (``cublas``) and with all-to-alls among this process's GPUs
+    done by ``cudaMemcpy`` between peers instead of NCCL kernels (``memcpy_p2p``:
+    ``xla_gpu_use_memcpy_local_p2p``). Greedy tokens and the logits' bytes must agree
+    between the variants, and SP's logits' bytes with TP's at 4096 tokens.
+
+    (At ``5afc7f1`` this part also measured SP with its all-to-alls cut into token chunks,
+    which made it slower; x2_results.md, "Overlapping SP's all-to-alls".)"""
     config = big_config(smoke)
-    # on the CPU, prompts just long enough for 2 chunks of MIN_CHUNK_TOKENS a device
-    prompt, max_pages = (512, 32) if smoke else (2048, 260)
+    prompt, max_pages = (64, 8) if smoke else (2048, 260)
     shapes = {("sp", "pre2x2048"): prefill_batch(2, prompt, max_pages),
               ("sp", "pre4096"): prefill_batch(1, 2 * prompt, 2 * max_pages),
               ("tp", "pre4096"): prefill_batch(1, 2 * prompt, 2 * max_pages)}
     cublas = None if smoke else executables_module.xla_compiler_options("cublas", "gpu")  # GPU-only options
-    lhs = {**(cublas or {}), "xla_gpu_enable_latency_hiding_scheduler": True}
-    # name -> (XLA options, a2a_chunks); on the CPU, tiny prompts: chunks below MIN_CHUNK_TOKENS run whole
-    variants = {"cublas": (cublas, 1), "chunks2": (cublas, 2), "chunks4": (cublas, 4), "chunks8": (cublas, 8),
-                "chunks2_lhs": (lhs, 2), "chunks4_lhs": (lhs, 4)}
-    if smoke:  # the code paths only: whole and in chunks
-        variants = {name: variants[name] for name in ("cublas", "chunks2")}
+    variants = {"cublas": cublas, "memcpy_p2p": {**(cublas or {}), "xla_gpu_use_memcpy_local_p2p": True}}
     run = functools.partial(_option_variants, smoke, attention, profile, sample_in_step=False)
     mesh = make_mesh(2, 1, jax.devices()[:2])
     weights = shard_params(device_random_params(config, jnp.bfloat16), config, mesh)
-    out = {}
-    for name, (options, chunks) in variants.items():
-        out.update(run(mesh, weights, shapes, {name: options}, a2a_chunks=chunks))
+    out = run(mesh, weights, shapes, variants)
     del weights
     one = make_mesh(1, 1, jax.devices()[:1])
     weights = shard_params(device_random_params(config, jnp.bfloat16), config, one)
@@ -538,7 +531,8 @@ class _HostClock:
                 for name, values in self.seconds.items() if len(values) > since.get(name, 0)}
 
 
-def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 2) -> dict:
+def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 2,
+                seq_buckets: tuple[int, ...] = ()) -> dict:
     """Wall time per decode step in the engine's own loop (schedule, pad, place, run,
     fetch, commit), pure TP over both GPUs (a (1, 2) mesh: one mode, so only TP
     executables), at 1, 8 and 64 sequences of 1k context: one step at a time (the host
@@ -551,7 +545,10 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
     ``variants`` (see ``_step_variant``) are all built first, then measured interleaved:
     per sequence count, every (variant, loop) once in order and once in reverse, ``rounds``
     times in all, so that neither drift nor going first favours one (earlier runs, which
-    measured one variant after another, saw the first one launch slower)."""
+    measured one variant after another, saw the first one launch slower).
+
+    ``seq_buckets``: the engines' sequence buckets (default: one per sequence count; ``8,64``
+    runs one sequence in a bucket of 8, as ``serve``'s default ladder does)."""
     config = big_config(smoke)
     prompt_len, decode_steps, profiled = (40, 12, 3) if smoke else (1000, 40, 12)
     seq_counts = (1, 8) if smoke else (1, 8, 64)
@@ -563,7 +560,8 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
     prefill_budget = 4 * prompt_len if smoke else 1024
     max_tokens = -(-most * prompt_len // prefill_budget) + 2 * decode_steps
     max_model_len = prompt_len + max_tokens + 8
-    out = {"weight_bytes_per_device": weight_bytes_per_device(weights, weights.mesh), "rounds": rounds}
+    out = {"weight_bytes_per_device": weight_bytes_per_device(weights, weights.mesh), "rounds": rounds,
+           "seq_buckets": list(seq_buckets or seq_counts)}
     # one clock for every engine: the phases run one after another, each reading its own entries
     clock = _HostClock()
     engines = {}
@@ -574,7 +572,8 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
                                                   num_pages=most * -(-max_model_len // PAGE) + 1,
                                                   max_num_batched_tokens=prefill_budget,
                                                   token_buckets=(64, prefill_budget),
-                                                  seq_buckets=seq_counts, mode="tp", attention=attention,
+                                                  seq_buckets=seq_buckets or seq_counts, mode="tp",
+                                                  attention=attention,
                                                   layer_loop="unrolled",
                                                   gemm=_VARIANT_GEMM.get(variant, EngineConfig.gemm)))
         out[f"{variant}:startup"] = {"seconds": time.perf_counter() - started, "phases": engine.startup_seconds}
@@ -712,6 +711,8 @@ def main() -> int:
                              "the conditionals that blocked the host)")
     parser.add_argument("--engine-rounds", type=int, default=2,
                         help="times the engine part measures every (variant, loop), in alternating order")
+    parser.add_argument("--engine-seq-buckets", default="",
+                        help="the engine part's sequence buckets, comma separated (default: its sequence counts)")
     parser.add_argument("--correct-gemms", default=",".join(executables_module.GEMM_BACKENDS),
                         help="the GEMM backends the correct part checks, in order")
     parser.add_argument("--merge", nargs="*", default=[], metavar="JSON",
@@ -740,7 +741,8 @@ def main() -> int:
                "dummy": lambda: dummy_load(args.smoke),
                "sp_a2a": lambda: sp_all_to_all(args.smoke, attention, profile),
                "engine": lambda: engine_loop(args.smoke, attention, args.engine_variants.split(","),
-                                             args.engine_rounds)}
+                                             args.engine_rounds,
+                                             tuple(int(b) for b in args.engine_seq_buckets.split(",") if b))}
     parts = [p for p in args.parts.split(",") if p]
     if args.smoke and args.parts == PARTS:
         parts = list(runners)  # every code path, the GPU-only variants included

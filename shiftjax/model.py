@@ -47,10 +47,6 @@ def apply_rope(
     return x * cos + rotated * sin
 
 
-# The fewest tokens per device in one all-to-all chunk (``Context.chunks_for``).
-MIN_CHUNK_TOKENS = 256
-
-
 def psum_head_axes(x):
     """The TP-mode all-reduce, over ``sp`` first so it adds what SP mode adds locally."""
     return lax.psum(lax.psum(x, SP), TP)
@@ -59,25 +55,12 @@ def psum_head_axes(x):
 class Context:
     """Static facts and per-step inputs that every layer of one step reads."""
 
-    def __init__(self, dims: LocalDims, eps: float, inv_freq, batch: StepBatch, attention: str,
-                 a2a_chunks: int = 1):
+    def __init__(self, dims: LocalDims, eps: float, inv_freq, batch: StepBatch, attention: str):
         self.dims = dims
         self.eps = eps
         self.inv_freq = inv_freq
         self.batch = batch
         self.attention = attention
-        self.a2a_chunks = a2a_chunks
-
-    def chunks_for(self, local_tokens: int) -> int:
-        """How many token chunks SP mode cuts a layer's all-to-alls into at ``local_tokens``.
-
-        Chunking only pays where a chunk's projection is long enough to hide a transfer
-        behind; below ``MIN_CHUNK_TOKENS`` a chunk (decode, short prefill) runs whole.
-        """
-        chunks = self.a2a_chunks
-        if chunks > 1 and local_tokens % chunks == 0 and local_tokens // chunks >= MIN_CHUNK_TOKENS:
-            return chunks
-        return 1
 
     @property
     def metadata(self) -> AttentionMetadata:
@@ -133,50 +116,22 @@ def tp_layer(x, w: LayerWeights, k_cache, v_cache, layer, ctx: Context):
 def sp_layer(x, w: LayerWeights, k_cache, v_cache, layer, ctx: Context):
     """One layer in SP mode: local tokens through the whole TP shard, Ulysses attention."""
     dims = ctx.dims
-    chunks = ctx.chunks_for(x.shape[0])
+    local_tokens = x.shape[0]
     h = rms_norm(x, w.attn_norm, ctx.eps)
-    qkv = _project_to_head_block(h, w.wqkv, dims.sp, chunks)
-    attn, k_cache, v_cache = attention_core(qkv, w.bqkv, k_cache, v_cache, layer, ctx)
-    x = x + lax.psum(_project_from_head_block(attn, w.wo, dims.sp, chunks), TP)
+    qkv = _column_blocks(h, w.wqkv, dims.sp)  # [local_tokens, sp, qkv]
+    # One all-to-all for q, k and v: split head blocks over sp, gather all tokens.
+    qkv = lax.all_to_all(qkv, SP, split_axis=1, concat_axis=0, tiled=True)
+    attn, k_cache, v_cache = attention_core(qkv[:, 0], w.bqkv, k_cache, v_cache, layer, ctx)
+    # The inverse: split tokens over sp, gather every head block of the TP shard.
+    attn = attn.reshape(dims.sp, local_tokens, -1)
+    attn = lax.all_to_all(attn, SP, split_axis=0, concat_axis=0, tiled=True)
+    attn = jnp.swapaxes(attn, 0, 1)  # [local_tokens, sp, q_width]
+    x = x + lax.psum(_row_blocks(attn, w.wo), TP)
     h = rms_norm(x, w.mlp_norm, ctx.eps)
     gate_up = _column_blocks(h, w.w_gate_up, dims.sp)
     act = _swiglu(gate_up, dims.ffn)
     x = x + lax.psum(_row_blocks(act, w.w_down), TP)
     return x, k_cache, v_cache
-
-
-def _project_to_head_block(h, wqkv, sp: int, chunks: int):
-    """q|k|v of every token of the step for this device's head block: ``[sp * local, qkv]``.
-
-    Each device projects its own tokens for all ``sp`` head blocks, and one all-to-all
-    per chunk sends block ``j`` to device ``j`` while gathering every device's tokens. With
-    ``chunks > 1`` the tokens go in chunks, so that a chunk's transfer can run while the
-    next chunk is projected; the result is the same either way (rows are independent).
-    """
-    local = h.shape[0]
-    size = local // chunks
-    gathered = []
-    for c in range(chunks):
-        qkv = _column_blocks(h[c * size:(c + 1) * size], wqkv, sp)  # [size, sp, qkv]
-        gathered.append(lax.all_to_all(qkv, SP, split_axis=1, concat_axis=0, tiled=True))  # [sp * size, 1, qkv]
-    # Chunk c holds rows (device r, chunk c) at r * size; the step's order is r * local + c * size.
-    ordered = jnp.stack(gathered).reshape(chunks, sp, size, -1)
-    return jnp.swapaxes(ordered, 0, 1).reshape(sp * local, -1)
-
-
-def _project_from_head_block(attn, wo, sp: int, chunks: int):
-    """The o projection of this device's tokens, ``[local, d]``, from attention over every
-    token and this device's head block (``[sp * local, q]``): the inverse all-to-all per
-    chunk, each chunk projected as soon as it has arrived."""
-    local = attn.shape[0] // sp
-    size = local // chunks
-    by_device = attn.reshape(sp, chunks, size, -1)
-    projected = []
-    for c in range(chunks):
-        # [sp, size, q]: this device's chunk c of tokens, head block r from device r
-        heads = lax.all_to_all(by_device[:, c], SP, split_axis=0, concat_axis=0, tiled=True)
-        projected.append(_row_blocks(jnp.swapaxes(heads, 0, 1), wo))
-    return jnp.concatenate(projected) if chunks > 1 else projected[0]
 
 
 def _swiglu(gate_up, ffn: int):

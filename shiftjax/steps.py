@@ -52,8 +52,7 @@ LAYER_LOOPS = ("scan", "unrolled")
 
 
 def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", layer_loop: str = "scan",
-              return_logits: bool = False, max_top_logprobs: int = 0, sample_in_step: bool = True,
-              a2a_chunks: int = 1):
+              return_logits: bool = False, max_top_logprobs: int = 0, sample_in_step: bool = True):
     """The jitted step of ``mode`` for these weights; caches (argument 1) are donated.
 
     ``max_top_logprobs``: how many alternatives per sampled token the step can return
@@ -69,17 +68,11 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", lay
     to the host and blocks the host until the device gets there: the host could not
     dispatch a step while the one before it runs (2x H200, one sequence, in one run: 10.30
     ms a decode step with it, 6.55 ms without; benchmarks/x2_results.md).
-
-    ``a2a_chunks`` (SP mode): cut each layer's all-to-alls into this many token chunks
-    where a chunk keeps ``model.MIN_CHUNK_TOKENS`` tokens a device, so that one chunk's
-    transfer can overlap the next chunk's projection; the results do not change.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if not 0 <= max_top_logprobs <= weights.config.vocab_size:
         raise ValueError(f"max_top_logprobs must be in [0, vocab_size], got {max_top_logprobs}")
-    if a2a_chunks < 1:
-        raise ValueError(f"a2a_chunks must be >= 1, got {a2a_chunks}")
     if layer_loop not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
     config, dims, mesh = weights.config, weights.dims, weights.mesh
@@ -92,8 +85,7 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", lay
 
     def local_step(param_leaves, k_cache, v_cache, batch: StepBatch):
         params: ShardedParams = param_tree.unflatten(param_leaves)
-        ctx = Context(dims, config.rms_norm_eps, jnp.asarray(inv_freq, jnp.float32), batch, attention,
-                      a2a_chunks)
+        ctx = Context(dims, config.rms_norm_eps, jnp.asarray(inv_freq, jnp.float32), batch, attention)
         x = embed_tokens(batch.token_ids, params.embed, dims)
         if mode == "sp":
             local_tokens = x.shape[0] // dims.sp
