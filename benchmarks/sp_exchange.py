@@ -1,0 +1,190 @@
+"""SP mode's head/token exchange, other ways than one all-to-all per direction, against the
+shipped layer and DP on equal work (target 3 of issue 8), in one process:
+
+- ``shipped``: ``model.sp_layer`` (one tiled ``all_to_all`` before attention, one after);
+- ``permute<c>``: the exchange as ``sp - 1`` ``ppermute``s per direction (device ``s`` keeps
+  its own block and sends block ``s + k`` by shift ``k``), the tokens cut into ``c`` chunks so
+  that a chunk's transfer may run under the next chunk's GEMMs; ``_lhs``: compiled with
+  XLA's latency-hiding scheduler;
+- ``two_copies``: the shipped layer over ``--weight-storage two_copies`` (one GEMM per
+  weight in SP mode);
+- ``dp``: one GPU, the whole model, one prompt (DP's share of the equal work).
+
+Each step's logits' bytes must equal the shipped step's (the same sums in the same order).
+
+    python3 -P benchmarks/sp_exchange.py --out DIR      # nvidia-h200-x2, gpu_env.sh sourced
+    python benchmarks/sp_exchange.py --smoke           # 2 CPU devices, tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model_gpu import LLAMA8B, device_random_params  # noqa: E402
+from roofline import device_time, time_fn  # noqa: E402
+from shift_x2 import PAGE, prefill_batch  # noqa: E402
+
+import shiftjax.steps as steps_module  # noqa: E402
+from shiftjax.cache import CacheConfig, allocate_cache  # noqa: E402
+from shiftjax.layouts.mesh import SP, TP, make_mesh  # noqa: E402
+from shiftjax.model import _column_blocks, _row_blocks, _swiglu, attention_core, rms_norm  # noqa: E402
+from shiftjax.serving.executables import to_device, xla_compiler_options  # noqa: E402
+from shiftjax.steps import make_step, params_for  # noqa: E402
+from shiftjax.weights import shard_params  # noqa: E402
+
+
+SCHEDULER_OPTIONS = {
+    "analytical": {"xla_gpu_enable_analytical_latency_estimator": True},
+    "sol": {"xla_gpu_enable_analytical_sol_latency_estimator": True},
+    "slop": {"xla_gpu_memory_limit_slop_factor": 400},
+    "overlap2": {"xla_gpu_experimental_parallel_collective_overlap_limit": 2},
+}
+
+
+def _exchange(blocks, sp: int):
+    """``blocks[:, b]`` (``[n, sp, ...]``, block ``b`` of this device's rows) sent to device
+    ``b``: returns ``[sp, n, ...]``, row group ``r`` = device ``r``'s rows of this device's block.
+    By shifts: at shift ``k`` device ``s`` sends block ``s + k`` and receives from ``s - k``."""
+    s = lax.axis_index(SP)
+    by_shift = [lax.dynamic_index_in_dim(blocks, s, axis=1, keepdims=False)]
+    for k in range(1, sp):
+        outgoing = lax.dynamic_index_in_dim(blocks, (s + k) % sp, axis=1, keepdims=False)
+        by_shift.append(lax.ppermute(outgoing, SP, perm=[(r, (r + k) % sp) for r in range(sp)]))
+    # the rows that came from device r arrived at shift (s - r) mod sp
+    return jnp.take(jnp.stack(by_shift), (s - jnp.arange(sp)) % sp, axis=0)
+
+
+def permute_layer(chunks: int):
+    def layer(x, w, k_cache, v_cache, layer_index, ctx):
+        dims = ctx.dims
+        sp, local = dims.sp, x.shape[0]
+        size = local // chunks
+        h = rms_norm(x, w.attn_norm, ctx.eps)
+        gathered = [_exchange(_column_blocks(h[c * size:(c + 1) * size], w.wqkv, sp), sp) for c in range(chunks)]
+        qkv = jnp.swapaxes(jnp.stack(gathered), 0, 1).reshape(sp * local, -1)  # [r, c, n] order
+        attn, k_cache, v_cache = attention_core(qkv, w.bqkv, k_cache, v_cache, layer_index, ctx)
+        by_device = attn.reshape(sp, chunks, size, -1)
+        projected = []
+        for c in range(chunks):
+            # [n, sp, q]: this device's rows of chunk c, head block b from device b
+            heads = _exchange(jnp.swapaxes(by_device[:, c], 0, 1), sp)
+            projected.append(_row_blocks(jnp.swapaxes(heads, 0, 1), w.wo))
+        x = x + lax.psum(jnp.concatenate(projected), TP)
+        h = rms_norm(x, w.mlp_norm, ctx.eps)
+        act = _swiglu(_column_blocks(h, w.w_gate_up, sp), dims.ffn)
+        return x + lax.psum(_row_blocks(act, w.w_down), TP), k_cache, v_cache
+
+    return layer
+
+
+def measure(weights, mode, batch, caches, options, attention, profile, layer=None):
+    shipped = steps_module.sp_layer
+    steps_module.sp_layer = layer or shipped
+    try:
+        step = make_step(weights, mode, attention=attention, layer_loop="unrolled", sample_in_step=False)
+        compiled = step.lower(params_for(weights, mode), caches, batch).compile(options)
+    finally:
+        steps_module.sp_layer = shipped
+    state = {"caches": caches}
+
+    def run(b, field="packed"):
+        result, state["caches"] = compiled(params_for(weights, mode), state["caches"], b)
+        return getattr(result, field)
+
+    row = {"wall_ms": time_fn(run, batch, warmup=3, iters=15) * 1e3,
+           "logits_sha1": hashlib.sha1(np.asarray(run(batch, "logits").addressable_shards[0].data).tobytes()).hexdigest()}
+    span = device_time(run, (batch,), iters=8, top=5) if profile else None
+    if span:
+        row.update(span_ms=span["span"] * 1e3, by_kind=span["by_kind"])
+    return row, state["caches"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--no-two-copies", dest="two_copies", action="store_false",
+                        help="skip the shipped layer over two-copy weight storage")
+    parser.add_argument("--variants", default="",
+                        help="comma separated (shipped always runs); default: all but the permute2_lhs_<scheduler option> ones")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    if args.smoke:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", 2)
+    config = dataclasses.replace(LLAMA8B, num_layers=int(os.environ.get("LAYERS", "32")))
+    prompt = 2048
+    if args.smoke:
+        config = dataclasses.replace(config, num_layers=2, hidden_size=256, intermediate_size=512, num_heads=8,
+                                     num_kv_heads=2, head_dim=32, vocab_size=1024)
+        prompt = 64
+    attention = "reference" if args.smoke else "pallas"
+    profile = not args.smoke
+    options = xla_compiler_options("cublas", jax.devices()[0].platform)
+    lhs = {**(options or {}), "xla_gpu_enable_latency_hiding_scheduler": True}
+    max_pages = prompt // PAGE + 1
+    cache_config = CacheConfig(2 * max_pages + 2, PAGE, "bfloat16")
+    batch_host = prefill_batch(2, prompt, max_pages)
+    variants = {"shipped": (None, options), "permute1": (permute_layer(1), options),
+                "permute2": (permute_layer(2), options), "permute2_lhs": (permute_layer(2), lhs),
+                "permute4_lhs": (permute_layer(4), lhs)}
+    # the latency-hiding scheduler with other cost models or limits (XLA debug options)
+    for name, extra in SCHEDULER_OPTIONS.items():
+        variants[f"permute2_lhs_{name}"] = (permute_layer(2), {**lhs, **extra})
+    wanted = args.variants.split(",") if args.variants else [n for n in variants if "lhs_" not in n]
+    if args.smoke:
+        wanted = ["shipped", "permute1", "permute2"]
+    variants = {name: variants[name] for name in ["shipped", *wanted] if name in variants}
+    out = {"layers": config.num_layers, "prompt": prompt}
+    mesh = make_mesh(2, 1, jax.devices()[:2])
+    params = device_random_params(config, jnp.bfloat16)
+    for storage in ("aliased", "two_copies") if args.two_copies else ("aliased",):
+        weights = shard_params(params, config, mesh, storage)
+        caches = allocate_cache(mesh, config.num_layers, weights.layout.kv_slots, config.head_dim, cache_config)
+        batch = to_device(batch_host, weights)
+        for name, (layer, compile_options) in (variants.items() if storage == "aliased" else
+                                               [("two_copies", (None, options))]):
+            try:
+                out[name], caches = measure(weights, "sp", batch, caches, compile_options, attention, profile, layer)
+            except Exception as error:  # an option this XLA does not know
+                print(name, f"{type(error).__name__}: {error}"[:300], flush=True)
+                out[f"{name}_error"] = f"{type(error).__name__}: {error}"[:300]
+                continue
+            print(name, {k: v for k, v in out[name].items() if k != "by_kind"}, flush=True)
+            if out[name].get("by_kind"):
+                print("    " + ", ".join(f"{kind} {v['ms']:.2f} ms x{v['count']:.0f}"
+                                         for kind, v in sorted(out[name]["by_kind"].items())), flush=True)
+        del weights, caches
+    one = make_mesh(1, 1, jax.devices()[:1])
+    weights = shard_params(params, config, one)
+    del params
+    caches = allocate_cache(one, config.num_layers, weights.layout.kv_slots, config.head_dim, cache_config)
+    out["dp"], _ = measure(weights, "tp", to_device(prefill_batch(1, prompt, max_pages), weights), caches, options,
+                           attention, profile)
+    print("dp", {k: v for k, v in out["dp"].items() if k != "by_kind"}, flush=True)
+    dp = out["dp"]["wall_ms"]
+    for name in [n for n in out if isinstance(out[n], dict) and n != "dp"]:  # (errors are strings)
+        out[name]["sp_vs_dp"] = dp / out[name]["wall_ms"]
+        out[name]["logits_equal_shipped"] = out[name]["logits_sha1"] == out["shipped"]["logits_sha1"]
+        print(f"{name}: SP vs DP {out[name]['sp_vs_dp']:.3f}x, logits equal to shipped: "
+              f"{out[name]['logits_equal_shipped']}", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "sp_exchange.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    # the exchanges reorder transfers, not sums: any other logits are a bug in them
+    return 0 if all(out[name]["logits_equal_shipped"] for name in out if name.startswith("permute")
+                    and isinstance(out[name], dict)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
