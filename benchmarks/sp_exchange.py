@@ -91,7 +91,7 @@ def permute_layer(chunks: int):
 
 
 def token_major_layer(x, w, k_cache, v_cache, layer_index, ctx):
-    """``model.sp_layer`` before ``a6ae471`` (aliased storage): the sp blocks token-major,
+    """``model.sp_layer`` before ``8b1f0e1`` (aliased storage): the sp blocks token-major,
     ``[tokens, sp, n]``, split and sliced across their strides."""
     dims = ctx.dims
     sp, local = dims.sp, x.shape[0]
