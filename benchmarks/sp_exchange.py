@@ -2,7 +2,6 @@
 shipped layer and DP on equal work (target 3 of issue 8), in one process:
 
 - ``shipped``: ``model.sp_layer`` (one tiled ``all_to_all`` before attention, one after);
-- ``token_major``: the layer before, whose sp blocks were token-major (strided copies);
 - ``permute<c>``: the exchange as ``sp - 1`` ``ppermute``s per direction (device ``s`` keeps
   its own block and sends block ``s + k`` by shift ``k``), the tokens cut into ``c`` chunks so
   that a chunk's transfer may run under the next chunk's GEMMs; ``_lhs``: compiled with
@@ -39,7 +38,7 @@ from shift_x2 import PAGE, prefill_batch  # noqa: E402
 import shiftjax.steps as steps_module  # noqa: E402
 from shiftjax.cache import CacheConfig, allocate_cache  # noqa: E402
 from shiftjax.layouts.mesh import SP, TP, make_mesh  # noqa: E402
-from shiftjax.model import _mlp_blocks, _o_projection, _swiglu, attention_core, rms_norm  # noqa: E402
+from shiftjax.model import _column_blocks, _row_blocks, _swiglu, attention_core, rms_norm  # noqa: E402
 from shiftjax.serving.executables import to_device, xla_compiler_options  # noqa: E402
 from shiftjax.steps import make_step, params_for  # noqa: E402
 from shiftjax.weights import shard_params  # noqa: E402
@@ -54,65 +53,39 @@ SCHEDULER_OPTIONS = {
 
 
 def _exchange(blocks, sp: int):
-    """``blocks[b]`` (``[sp, n, ...]``, block ``b`` of this device's rows) sent to device ``b``:
-    returns ``[sp, n, ...]``, row group ``r`` = device ``r``'s rows of this device's block.
+    """``blocks[:, b]`` (``[n, sp, ...]``, block ``b`` of this device's rows) sent to device
+    ``b``: returns ``[sp, n, ...]``, row group ``r`` = device ``r``'s rows of this device's block.
     By shifts: at shift ``k`` device ``s`` sends block ``s + k`` and receives from ``s - k``."""
     s = lax.axis_index(SP)
-    by_shift = [lax.dynamic_index_in_dim(blocks, s, axis=0, keepdims=False)]
+    by_shift = [lax.dynamic_index_in_dim(blocks, s, axis=1, keepdims=False)]
     for k in range(1, sp):
-        outgoing = lax.dynamic_index_in_dim(blocks, (s + k) % sp, axis=0, keepdims=False)
+        outgoing = lax.dynamic_index_in_dim(blocks, (s + k) % sp, axis=1, keepdims=False)
         by_shift.append(lax.ppermute(outgoing, SP, perm=[(r, (r + k) % sp) for r in range(sp)]))
     # the rows that came from device r arrived at shift (s - r) mod sp
     return jnp.take(jnp.stack(by_shift), (s - jnp.arange(sp)) % sp, axis=0)
 
 
 def permute_layer(chunks: int):
-    """The shipped layer with its all-to-alls as ``_exchange``s over ``chunks`` token chunks
-    (aliased weight storage only)."""
     def layer(x, w, k_cache, v_cache, layer_index, ctx):
         dims = ctx.dims
         sp, local = dims.sp, x.shape[0]
         size = local // chunks
         h = rms_norm(x, w.attn_norm, ctx.eps)
-        gathered = []
-        for c in range(chunks):
-            part = lax.optimization_barrier(h[c * size:(c + 1) * size])
-            gathered.append(_exchange(jnp.stack([part @ block[0] for block in w.wqkv]), sp))
+        gathered = [_exchange(_column_blocks(h[c * size:(c + 1) * size], w.wqkv, sp), sp) for c in range(chunks)]
         qkv = jnp.swapaxes(jnp.stack(gathered), 0, 1).reshape(sp * local, -1)  # [r, c, n] order
         attn, k_cache, v_cache = attention_core(qkv, w.bqkv, k_cache, v_cache, layer_index, ctx)
         by_device = attn.reshape(sp, chunks, size, -1)
-        # [sp, n, q]: this device's rows of chunk c, head block b from device b
-        projected = [_o_projection(_exchange(by_device[:, c], sp), w.wo) for c in range(chunks)]
+        projected = []
+        for c in range(chunks):
+            # [n, sp, q]: this device's rows of chunk c, head block b from device b
+            heads = _exchange(jnp.swapaxes(by_device[:, c], 0, 1), sp)
+            projected.append(_row_blocks(jnp.swapaxes(heads, 0, 1), w.wo))
         x = x + lax.psum(jnp.concatenate(projected), TP)
         h = rms_norm(x, w.mlp_norm, ctx.eps)
-        return x + lax.psum(_mlp_blocks(h, w.w_gate_up, w.w_down, sp, dims.ffn), TP), k_cache, v_cache
+        act = _swiglu(_column_blocks(h, w.w_gate_up, sp), dims.ffn)
+        return x + lax.psum(_row_blocks(act, w.w_down), TP), k_cache, v_cache
 
     return layer
-
-
-def token_major_layer(x, w, k_cache, v_cache, layer_index, ctx):
-    """``model.sp_layer`` before ``8b1f0e1`` (aliased storage): the sp blocks token-major,
-    ``[tokens, sp, n]``, split and sliced across their strides."""
-    dims = ctx.dims
-    sp, local = dims.sp, x.shape[0]
-
-    def column_blocks(x, weight):
-        return jnp.stack([lax.optimization_barrier(x) @ block[0] for block in weight], axis=1)
-
-    def row_blocks(x, weight):
-        total = x[:, 0] @ weight[0][0]
-        for j in range(1, len(weight)):
-            total = total + x[:, j] @ weight[j][0]
-        return total
-
-    h = rms_norm(x, w.attn_norm, ctx.eps)
-    qkv = lax.all_to_all(column_blocks(h, w.wqkv), SP, split_axis=1, concat_axis=0, tiled=True)
-    attn, k_cache, v_cache = attention_core(qkv[:, 0], w.bqkv, k_cache, v_cache, layer_index, ctx)
-    attn = lax.all_to_all(attn.reshape(sp, local, -1), SP, split_axis=0, concat_axis=0, tiled=True)
-    x = x + lax.psum(row_blocks(jnp.swapaxes(attn, 0, 1), w.wo), TP)
-    h = rms_norm(x, w.mlp_norm, ctx.eps)
-    act = _swiglu(column_blocks(h, w.w_gate_up), dims.ffn)
-    return x + lax.psum(row_blocks(act, w.w_down), TP), k_cache, v_cache
 
 
 def measure(weights, mode, batch, caches, options, attention, profile, layer=None):
@@ -162,8 +135,7 @@ def main() -> int:
     max_pages = prompt // PAGE + 1
     cache_config = CacheConfig(2 * max_pages + 2, PAGE, "bfloat16")
     batch_host = prefill_batch(2, prompt, max_pages)
-    variants = {"shipped": (None, options), "token_major": (token_major_layer, options),
-                "permute1": (permute_layer(1), options),
+    variants = {"shipped": (None, options), "permute1": (permute_layer(1), options),
                 "permute2": (permute_layer(2), options), "permute2_lhs": (permute_layer(2), lhs),
                 "permute4_lhs": (permute_layer(4), lhs)}
     # the latency-hiding scheduler with other cost models or limits (XLA debug options)
@@ -171,7 +143,7 @@ def main() -> int:
         variants[f"permute2_lhs_{name}"] = (permute_layer(2), {**lhs, **extra})
     wanted = args.variants.split(",") if args.variants else [n for n in variants if "lhs_" not in n]
     if args.smoke:
-        wanted = ["shipped", "token_major", "permute1", "permute2"]
+        wanted = ["shipped", "permute1", "permute2"]
     variants = {name: variants[name] for name in ["shipped", *wanted] if name in variants}
     out = {"layers": config.num_layers, "prompt": prompt}
     mesh = make_mesh(2, 1, jax.devices()[:2])
@@ -210,8 +182,8 @@ def main() -> int:
     with open(os.path.join(args.out, "sp_exchange.json"), "w") as f:
         json.dump(out, f, indent=1)
     # the exchanges reorder transfers, not sums: any other logits are a bug in them
-    return 0 if all(out[name]["logits_equal_shipped"] for name in out
-                    if name.startswith(("permute", "token_major")) and isinstance(out[name], dict)) else 1
+    return 0 if all(out[name]["logits_equal_shipped"] for name in out if name.startswith("permute")
+                    and isinstance(out[name], dict)) else 1
 
 
 if __name__ == "__main__":

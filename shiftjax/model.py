@@ -118,68 +118,46 @@ def sp_layer(x, w: LayerWeights, k_cache, v_cache, layer, ctx: Context):
     dims = ctx.dims
     local_tokens = x.shape[0]
     h = rms_norm(x, w.attn_norm, ctx.eps)
-    qkv = _qkv_of_head_block(h, w.wqkv, dims.sp)
-    attn, k_cache, v_cache = attention_core(qkv, w.bqkv, k_cache, v_cache, layer, ctx)
-    # The inverse: device r gets its own tokens back, of every head block of the TP shard.
+    qkv = _column_blocks(h, w.wqkv, dims.sp)  # [local_tokens, sp, qkv]
+    # One all-to-all for q, k and v: split head blocks over sp, gather all tokens.
+    qkv = lax.all_to_all(qkv, SP, split_axis=1, concat_axis=0, tiled=True)
+    attn, k_cache, v_cache = attention_core(qkv[:, 0], w.bqkv, k_cache, v_cache, layer, ctx)
+    # The inverse: split tokens over sp, gather every head block of the TP shard.
     attn = attn.reshape(dims.sp, local_tokens, -1)
-    attn = lax.all_to_all(attn, SP, split_axis=0, concat_axis=0, tiled=True)  # [sp, local, q]: block j from j
-    x = x + lax.psum(_o_projection(attn, w.wo), TP)
+    attn = lax.all_to_all(attn, SP, split_axis=0, concat_axis=0, tiled=True)
+    attn = jnp.swapaxes(attn, 0, 1)  # [local_tokens, sp, q_width]
+    x = x + lax.psum(_row_blocks(attn, w.wo), TP)
     h = rms_norm(x, w.mlp_norm, ctx.eps)
-    x = x + lax.psum(_mlp_blocks(h, w.w_gate_up, w.w_down, dims.sp, dims.ffn), TP)
+    gate_up = _column_blocks(h, w.w_gate_up, dims.sp)
+    act = _swiglu(gate_up, dims.ffn)
+    x = x + lax.psum(_row_blocks(act, w.w_down), TP)
     return x, k_cache, v_cache
-
-
-# SP mode keeps the sp blocks of the TP shard block-major ([sp, tokens, n]) with the aliased
-# storage's one GEMM per block: the all-to-alls then split and gather whole contiguous
-# blocks, and each row GEMM reads one, where a token-major layout ([tokens, sp, n]) made XLA
-# copy strided slices around every all-to-all and row GEMM. The contiguous storage's single
-# GEMM is token-major by nature and keeps that layout. Sums go in block order either way.
-
-
-def _qkv_of_head_block(h, wqkv, sp: int):
-    """q|k|v of every token of the step for this device's head block, ``[sp * local, qkv]``.
-
-    Each device projects its own tokens for every head block of the TP shard, and one
-    all-to-all (for q, k and v together) sends block ``j`` to device ``j``, which gathers
-    the step's tokens in device order.
-    """
-    if isinstance(wqkv, tuple):  # aliased storage: sp GEMMs, stacked block-major
-        # Without a barrier per block XLA's DotMerger fuses the sp GEMMs that share h and
-        # concatenates their weights on every call, a copy of the whole TP shard (H200:
-        # 138.7 -> 85.7 us for Llama-70B qkv at 8 tokens a device; benchmarks/layer_results.md).
-        blocks = jnp.stack([lax.optimization_barrier(h) @ w[0] for w in wqkv])
-        gathered = lax.all_to_all(blocks, SP, split_axis=0, concat_axis=0, tiled=True)
-    else:  # contiguous storage: one GEMM, outputs in block order
-        blocks = (h @ wqkv[0]).reshape(h.shape[0], sp, -1)
-        gathered = lax.all_to_all(blocks, SP, split_axis=1, concat_axis=0, tiled=True)
-    return gathered.reshape(-1, gathered.shape[-1])
-
-
-def _o_projection(attn: Float[Array, "sp tokens q"], wo):
-    """``sum_j attn[j] @ block_j``: head block ``j`` of this device's tokens, added in block order."""
-    if isinstance(wo, tuple):
-        total = attn[0] @ wo[0][0]
-        for j in range(1, len(wo)):
-            total = total + attn[j] @ wo[j][0]
-        return total
-    return jnp.swapaxes(attn, 0, 1).reshape(attn.shape[1], -1) @ wo[0]
-
-
-def _mlp_blocks(h, w_gate_up, w_down, sp: int, ffn: int):
-    """The SwiGLU MLP of the TP shard's sp blocks, their down projections added in block order."""
-    if isinstance(w_gate_up, tuple):  # aliased storage: each block end to end, nothing stacked
-        total = None
-        for gate_up, down in zip(w_gate_up, w_down):
-            part = _swiglu(lax.optimization_barrier(h) @ gate_up[0], ffn) @ down[0]
-            total = part if total is None else total + part
-        return total
-    act = _swiglu((h @ w_gate_up[0]).reshape(h.shape[0], sp, -1), ffn)  # [tokens, sp, ffn]
-    return act.reshape(h.shape[0], -1) @ w_down[0]
 
 
 def _swiglu(gate_up, ffn: int):
     gate, up = gate_up[..., :ffn], gate_up[..., ffn:]
     return jax.nn.silu(gate) * up
+
+
+def _column_blocks(x, weight, sp: int):
+    """``x @ block_j`` for the sp blocks of the TP shard, as ``[tokens, sp, n]``."""
+    if isinstance(weight, tuple):  # aliased storage: sp separate GEMMs
+        # Without a barrier per block XLA's DotMerger fuses the sp GEMMs that share x and
+        # concatenates their weights on every call, a copy of the whole TP shard (H200:
+        # 138.7 -> 85.7 us for Llama-70B qkv at 8 tokens a device; benchmarks/layer_results.md).
+        return jnp.stack([lax.optimization_barrier(x) @ w[0] for w in weight], axis=1)
+    out = x @ weight[0]  # contiguous storage: one GEMM, outputs in block order
+    return out.reshape(x.shape[0], sp, -1)
+
+
+def _row_blocks(x, weight):
+    """``sum_j x[:, j] @ block_j``, added in block order."""
+    if isinstance(weight, tuple):
+        total = x[:, 0] @ weight[0][0]
+        for j in range(1, len(weight)):
+            total = total + x[:, j] @ weight[j][0]
+        return total
+    return x.reshape(x.shape[0], -1) @ weight[0]
 
 
 def embed_tokens(token_ids, embed, dims: LocalDims):
