@@ -37,7 +37,8 @@ SCRIPTS = {"shift_x2.py": (["--smoke"], "shift_x2.json"),
            "idle_estimate.py": (["--smoke"], "idle_estimate.json"),
            "lowering_time.py": (["--smoke"], "lowering_time.json"),
            "dummy_start.py": (["--smoke"], "dummy_start.json"),
-           "sp_exchange.py": (["--smoke"], "sp_exchange.json")}
+           "sp_exchange.py": (["--smoke"], "sp_exchange.json"),
+           "collective_matmul.py": (["--smoke"], "collective_matmul.json")}
 # restore_gpu.py --smoke runs in tests/test_sharded_restore.py, which checks its phases' results
 SMOKED_ELSEWHERE = {"restore_gpu.py"}
 SLOW = {"shift_x2.py", "x8_checks.py"}  # about a minute of wall clock each on a 2-core machine
