@@ -155,7 +155,7 @@ def main() -> int:
            # whether the gathered projection runs fused here, and if not why
            "gather_fused_kernel": fused_kernel_fits(prompt, config.hidden_size,
                                                     (config.num_heads + 2 * config.num_kv_heads) * config.head_dim // 2,
-                                                    jnp.bfloat16, 2) or "fits"}
+                                                    jnp.bfloat16, 2, mesh_axes=2) or "fits"}
     print("gathered projection, Mosaic kernel:", out["gather_fused_kernel"], flush=True)
     mesh = make_mesh(2, 1, jax.devices()[:2])
     params = device_random_params(config, jnp.bfloat16)

@@ -10,7 +10,8 @@ Implementations behind one entry point, ``all_gather_matmul``:
   to the next device while it multiplies the ones it has (2x H200, 2 x 2048 tokens, hidden
   4096, block 3072: 202 us against 237 us gathered then multiplied and 176 us for the GEMM
   alone; bit-identical; ``benchmarks/collective_matmul.py``);
-- ``"auto"``: Mosaic where ``fused_kernel_fits`` says it can run, the reference elsewhere.
+- ``"auto"``: Mosaic where ``fused_kernel_fits`` says it can run, the reference elsewhere
+  (so far never inside shiftjax's steps: their mesh has two axes).
 """
 
 from __future__ import annotations
@@ -38,12 +39,16 @@ class GatherMatmulConfig:
     grid_tile_width: int = 4
 
 
-def fused_kernel_fits(tokens: int, d_in: int, n: int, dtype, axis_size: int,
+def fused_kernel_fits(tokens: int, d_in: int, n: int, dtype, axis_size: int, mesh_axes: int = 1,
                       config: GatherMatmulConfig = GatherMatmulConfig()) -> str | None:
     """Why the Mosaic kernel cannot run this product here (``None``: it can). Static, so the
     choice is made per compiled shape. The kernel needs a Hopper GPU, bf16 or f16, tiles
-    that divide the shapes, and the gathered axis to span every device of a one-process
-    run (it addresses the peers by device index)."""
+    that divide the shapes, the gathered axis to span every device of a one-process run,
+    and a mesh of that one axis: it names its peer by one device index, which a mesh of
+    more axes refuses ("Number of device ids must match the number of mesh axes", JAX
+    0.11.2 on 2x H200, with shiftjax's (sp, tp) mesh at tp = 1)."""
+    if mesh_axes != 1:
+        return f"a mesh of {mesh_axes} axes"
     devices = jax.devices()
     if devices[0].platform != "gpu" or getattr(devices[0], "compute_capability", "") != "9.0":
         return "not a Hopper GPU"
@@ -70,7 +75,8 @@ def all_gather_matmul(
         raise ValueError(f"implementation={implementation!r}; choose one of {', '.join(_IMPLEMENTATIONS)}.")
     axis_size = lax.axis_size(axis_name)
     if implementation == "auto":
-        fits = fused_kernel_fits(x.shape[0], x.shape[1], w.shape[1], x.dtype, axis_size, config)
+        mesh_axes = len(jax.sharding.get_abstract_mesh().axis_names)
+        fits = fused_kernel_fits(x.shape[0], x.shape[1], w.shape[1], x.dtype, axis_size, mesh_axes, config)
         implementation = "reference" if fits else "mosaic"
     if implementation == "reference":
         return all_gather_matmul_reference(x, w, axis_name)

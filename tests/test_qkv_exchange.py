@@ -69,6 +69,7 @@ def test_gather_matmul_entry_point():
     assert all_gather_matmul_reference.__name__.endswith("_reference")
     # why the fused kernel does not run here, by shape and place
     assert fused_kernel_fits(2048, 4096, 3072, jnp.bfloat16, 2) == "not a Hopper GPU"
+    assert fused_kernel_fits(2048, 4096, 3072, jnp.bfloat16, 2, mesh_axes=2) == "a mesh of 2 axes"
 
 
 def test_unknown_exchange_is_refused(params):
