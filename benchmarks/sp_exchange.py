@@ -2,8 +2,6 @@
 shipped layer and DP on equal work (target 3 of issue 8), in one process:
 
 - ``shipped``: ``model.sp_layer`` (one tiled ``all_to_all`` before attention, one after);
-- ``gather``: the same layer with ``qkv_exchange="gather"`` (every token's hidden state
-  gathered, then the device's own q|k|v block: one Mosaic kernel on Hopper GPUs);
 - ``permute<c>``: the exchange as ``sp - 1`` ``ppermute``s per direction (device ``s`` keeps
   its own block and sends block ``s + k`` by shift ``k``), the tokens cut into ``c`` chunks so
   that a chunk's transfer may run under the next chunk's GEMMs; ``_lhs``: compiled with
@@ -39,7 +37,6 @@ from shift_x2 import PAGE, prefill_batch  # noqa: E402
 
 import shiftjax.steps as steps_module  # noqa: E402
 from shiftjax.cache import CacheConfig, allocate_cache  # noqa: E402
-from shiftjax.kernels.collective_matmul import fused_kernel_fits  # noqa: E402
 from shiftjax.layouts.mesh import SP, TP, make_mesh  # noqa: E402
 from shiftjax.model import _column_blocks, _row_blocks, _swiglu, attention_core, rms_norm  # noqa: E402
 from shiftjax.serving.executables import to_device, xla_compiler_options  # noqa: E402
@@ -91,12 +88,11 @@ def permute_layer(chunks: int):
     return layer
 
 
-def measure(weights, mode, batch, caches, options, attention, profile, layer=None, **step_options):
+def measure(weights, mode, batch, caches, options, attention, profile, layer=None):
     shipped = steps_module.sp_layer
     steps_module.sp_layer = layer or shipped
     try:
-        step = make_step(weights, mode, attention=attention, layer_loop="unrolled", sample_in_step=False,
-                         **step_options)
+        step = make_step(weights, mode, attention=attention, layer_loop="unrolled", sample_in_step=False)
         compiled = step.lower(params_for(weights, mode), caches, batch).compile(options)
     finally:
         steps_module.sp_layer = shipped
@@ -139,9 +135,7 @@ def main() -> int:
     max_pages = prompt // PAGE + 1
     cache_config = CacheConfig(2 * max_pages + 2, PAGE, "bfloat16")
     batch_host = prefill_batch(2, prompt, max_pages)
-    # name -> (a replacement of model.sp_layer or None, XLA options[, make_step options])
-    variants = {"shipped": (None, options), "gather": (None, options, {"qkv_exchange": "gather"}),
-                "permute1": (permute_layer(1), options),
+    variants = {"shipped": (None, options), "permute1": (permute_layer(1), options),
                 "permute2": (permute_layer(2), options), "permute2_lhs": (permute_layer(2), lhs),
                 "permute4_lhs": (permute_layer(4), lhs)}
     # the latency-hiding scheduler with other cost models or limits (XLA debug options)
@@ -149,25 +143,19 @@ def main() -> int:
         variants[f"permute2_lhs_{name}"] = (permute_layer(2), {**lhs, **extra})
     wanted = args.variants.split(",") if args.variants else [n for n in variants if "lhs_" not in n]
     if args.smoke:
-        wanted = ["shipped", "gather", "permute1", "permute2"]
+        wanted = ["shipped", "permute1", "permute2"]
     variants = {name: variants[name] for name in ["shipped", *wanted] if name in variants}
-    out = {"layers": config.num_layers, "prompt": prompt,
-           # whether the gathered projection runs fused here, and if not why
-           "gather_fused_kernel": fused_kernel_fits(prompt, config.hidden_size,
-                                                    (config.num_heads + 2 * config.num_kv_heads) * config.head_dim // 2,
-                                                    jnp.bfloat16, 2, mesh_axes=2) or "fits"}
-    print("gathered projection, Mosaic kernel:", out["gather_fused_kernel"], flush=True)
+    out = {"layers": config.num_layers, "prompt": prompt}
     mesh = make_mesh(2, 1, jax.devices()[:2])
     params = device_random_params(config, jnp.bfloat16)
     for storage in ("aliased", "two_copies") if args.two_copies else ("aliased",):
         weights = shard_params(params, config, mesh, storage)
         caches = allocate_cache(mesh, config.num_layers, weights.layout.kv_slots, config.head_dim, cache_config)
         batch = to_device(batch_host, weights)
-        for name, (layer, compile_options, *step_options) in (variants.items() if storage == "aliased" else
-                                                              [("two_copies", (None, options))]):
+        for name, (layer, compile_options) in (variants.items() if storage == "aliased" else
+                                               [("two_copies", (None, options))]):
             try:
-                out[name], caches = measure(weights, "sp", batch, caches, compile_options, attention, profile, layer,
-                                            **(step_options[0] if step_options else {}))
+                out[name], caches = measure(weights, "sp", batch, caches, compile_options, attention, profile, layer)
             except Exception as error:  # an option this XLA does not know
                 print(name, f"{type(error).__name__}: {error}"[:300], flush=True)
                 out[f"{name}_error"] = f"{type(error).__name__}: {error}"[:300]
@@ -194,8 +182,8 @@ def main() -> int:
     with open(os.path.join(args.out, "sp_exchange.json"), "w") as f:
         json.dump(out, f, indent=1)
     # the exchanges reorder transfers, not sums: any other logits are a bug in them
-    return 0 if all(out[name]["logits_equal_shipped"] for name in out
-                    if name.startswith(("permute", "gather")) and isinstance(out[name], dict)) else 1
+    return 0 if all(out[name]["logits_equal_shipped"] for name in out if name.startswith("permute")
+                    and isinstance(out[name], dict)) else 1
 
 
 if __name__ == "__main__":

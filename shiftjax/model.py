@@ -23,7 +23,6 @@ from jaxtyping import Array, Float, Int
 
 from shiftjax.batch import StepBatch
 from shiftjax.kernels import AttentionMetadata, ragged_paged_attention, write_kv_cache
-from shiftjax.kernels.collective_matmul import all_gather_matmul
 from shiftjax.layouts.mesh import HEAD_AXES, SP, TP
 from shiftjax.weights import LayerWeights, LocalDims
 
@@ -56,14 +55,12 @@ def psum_head_axes(x):
 class Context:
     """Static facts and per-step inputs that every layer of one step reads."""
 
-    def __init__(self, dims: LocalDims, eps: float, inv_freq, batch: StepBatch, attention: str,
-                 qkv_exchange: str = "all_to_all"):
+    def __init__(self, dims: LocalDims, eps: float, inv_freq, batch: StepBatch, attention: str):
         self.dims = dims
         self.eps = eps
         self.inv_freq = inv_freq
         self.batch = batch
         self.attention = attention
-        self.qkv_exchange = qkv_exchange  # SP mode: see sp_layer
 
     @property
     def metadata(self) -> AttentionMetadata:
@@ -117,25 +114,14 @@ def tp_layer(x, w: LayerWeights, k_cache, v_cache, layer, ctx: Context):
 
 
 def sp_layer(x, w: LayerWeights, k_cache, v_cache, layer, ctx: Context):
-    """One layer in SP mode: local tokens through the whole TP shard, Ulysses attention.
-
-    Attention needs every token of the step for this device's head block. ``ctx.qkv_exchange``
-    says how it gets them: ``"all_to_all"`` projects the local tokens for every head block
-    and sends block ``j`` to device ``j``; ``"gather"`` gathers every device's normed hidden
-    states and multiplies them by its own block (the TP view's weights), which on Hopper
-    GPUs one Mosaic kernel does while the transfer runs (``kernels/collective_matmul.py``).
-    Either way each token's q, k, v are the same products.
-    """
+    """One layer in SP mode: local tokens through the whole TP shard, Ulysses attention."""
     dims = ctx.dims
     local_tokens = x.shape[0]
     h = rms_norm(x, w.attn_norm, ctx.eps)
-    if ctx.qkv_exchange == "gather":
-        qkv = all_gather_matmul(h, w.wqkv_tp_layout[0], SP)
-    else:
-        qkv = _column_blocks(h, w.wqkv, dims.sp)  # [local_tokens, sp, qkv]
-        # One all-to-all for q, k and v: split head blocks over sp, gather all tokens.
-        qkv = lax.all_to_all(qkv, SP, split_axis=1, concat_axis=0, tiled=True)[:, 0]
-    attn, k_cache, v_cache = attention_core(qkv, w.bqkv, k_cache, v_cache, layer, ctx)
+    qkv = _column_blocks(h, w.wqkv, dims.sp)  # [local_tokens, sp, qkv]
+    # One all-to-all for q, k and v: split head blocks over sp, gather all tokens.
+    qkv = lax.all_to_all(qkv, SP, split_axis=1, concat_axis=0, tiled=True)
+    attn, k_cache, v_cache = attention_core(qkv[:, 0], w.bqkv, k_cache, v_cache, layer, ctx)
     # The inverse: split tokens over sp, gather every head block of the TP shard.
     attn = attn.reshape(dims.sp, local_tokens, -1)
     attn = lax.all_to_all(attn, SP, split_axis=0, concat_axis=0, tiled=True)

@@ -49,12 +49,10 @@ class StepOutput:
 
 
 LAYER_LOOPS = ("scan", "unrolled")
-QKV_EXCHANGES = ("all_to_all", "gather")
 
 
 def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", layer_loop: str = "scan",
-              return_logits: bool = False, max_top_logprobs: int = 0, sample_in_step: bool = True,
-              qkv_exchange: str = "all_to_all"):
+              return_logits: bool = False, max_top_logprobs: int = 0, sample_in_step: bool = True):
     """The jitted step of ``mode`` for these weights; caches (argument 1) are donated.
 
     ``max_top_logprobs``: how many alternatives per sampled token the step can return
@@ -70,16 +68,11 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", lay
     to the host and blocks the host until the device gets there: the host could not
     dispatch a step while the one before it runs (2x H200, one sequence, in one run: 10.30
     ms a decode step with it, 6.55 ms without; benchmarks/x2_results.md).
-
-    ``qkv_exchange`` (SP mode): ``"all_to_all"`` or ``"gather"``, how attention gets every
-    token of its head block (``model.sp_layer``); the results are the same.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if not 0 <= max_top_logprobs <= weights.config.vocab_size:
         raise ValueError(f"max_top_logprobs must be in [0, vocab_size], got {max_top_logprobs}")
-    if qkv_exchange not in QKV_EXCHANGES:
-        raise ValueError(f"qkv_exchange must be one of {QKV_EXCHANGES}, got {qkv_exchange!r}")
     if layer_loop not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
     config, dims, mesh = weights.config, weights.dims, weights.mesh
@@ -92,8 +85,7 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", lay
 
     def local_step(param_leaves, k_cache, v_cache, batch: StepBatch):
         params: ShardedParams = param_tree.unflatten(param_leaves)
-        ctx = Context(dims, config.rms_norm_eps, jnp.asarray(inv_freq, jnp.float32), batch, attention,
-                      qkv_exchange)
+        ctx = Context(dims, config.rms_norm_eps, jnp.asarray(inv_freq, jnp.float32), batch, attention)
         x = embed_tokens(batch.token_ids, params.embed, dims)
         if mode == "sp":
             local_tokens = x.shape[0] // dims.sp

@@ -78,9 +78,6 @@ class LayerWeights:
     w_gate_up: object
     w_down: object
     bqkv: jax.Array | None  # [layers, P, qkv], added after the all-to-all in SP mode
-    # SP view only: the TP view's q|k|v blocks (the same buffers), whose shard on a device is
-    # its own head block, for SP mode's gathered projection (``qkv_exchange="gather"``)
-    wqkv_tp_layout: jax.Array | None = None
 
 
 @unchecked_init
@@ -167,14 +164,14 @@ def shard_params(
     for name, kind in (("wqkv", "column"), ("wo", "row"), ("w_gate_up", "column"), ("w_down", "row")):
         tp_view[name], sp_view[name] = blk.store_blocks(expanded.pop(name), mesh, storage, kind)
 
-    def view(weights, **extra):
+    def view(weights):
         return ShardedParams(
             embed=expanded["embed"], final_norm=expanded["final_norm"], lm_head=expanded["lm_head"],
             layers=LayerWeights(attn_norm=expanded["attn_norm"], mlp_norm=expanded["mlp_norm"],
-                                bqkv=expanded["bqkv"], **weights, **extra))
+                                bqkv=expanded["bqkv"], **weights))
 
     return ModelWeights(config=config, layout=layout, dims=dims, mesh=mesh, storage=storage,
-                        tp=view(tp_view), sp=view(sp_view, wqkv_tp_layout=tp_view["wqkv"]))
+                        tp=view(tp_view), sp=view(sp_view))
 
 
 # --- The block layout as a plan: which canonical rows each block takes -------------------
@@ -312,11 +309,11 @@ def assemble_weights(config: ModelConfig, mesh: Mesh, storage: blk.WeightStorage
     replicated = NamedSharding(mesh, REPLICATED)
     norms = {name: make_replicated(name, replicated) for name in REPLICATED_TENSORS}
 
-    def view(weights, **extra):
+    def view(weights):
         return ShardedParams(
             embed=embed, final_norm=norms["final_norm"], lm_head=lm_head,
             layers=LayerWeights(attn_norm=norms["layers.attn_norm"], mlp_norm=norms["layers.mlp_norm"],
-                                bqkv=bqkv, **weights, **extra))
+                                bqkv=bqkv, **weights))
 
     return ModelWeights(config=config, layout=layout, dims=local_dims(config, layout), mesh=mesh,
-                        storage=storage, tp=view(tp_view), sp=view(sp_view, wqkv_tp_layout=tp_view["wqkv"]))
+                        storage=storage, tp=view(tp_view), sp=view(sp_view))

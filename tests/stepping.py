@@ -60,7 +60,7 @@ def build_batch(step, seq_lens_before, num_tokens: int = 16, num_seqs: int = 4):
 
 
 def run_scenario(params, config, sp: int, tp: int, runs: dict[str, list[str]], *,
-                 storage="aliased", cache_dtype="float32", layer_loop="scan", qkv_exchange="all_to_all"):
+                 storage="aliased", cache_dtype="float32", layer_loop="scan"):
     """Runs the scenario once per entry of ``runs`` (name -> modes, cycled step by step),
     each with fresh caches, all on one expansion of the weights.
 
@@ -70,8 +70,7 @@ def run_scenario(params, config, sp: int, tp: int, runs: dict[str, list[str]], *
     mesh = make_mesh(sp, tp)
     weights = shard_params(params, config, mesh, storage)
     modes_used = {mode for modes in runs.values() for mode in modes}
-    steps = {mode: make_step(weights, mode, attention="reference", layer_loop=layer_loop, return_logits=True,
-                             qkv_exchange=qkv_exchange)
+    steps = {mode: make_step(weights, mode, attention="reference", layer_loop=layer_loop, return_logits=True)
              for mode in modes_used}
     results = {}
     for name, modes in runs.items():
