@@ -19,7 +19,6 @@ Each step's logits' bytes must equal the shipped step's (the same sums in the sa
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import os
@@ -31,9 +30,9 @@ import numpy as np
 from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model_gpu import LLAMA8B, device_random_params  # noqa: E402
+from model_gpu import device_random_params  # noqa: E402
 from roofline import device_time, time_fn  # noqa: E402
-from shift_x2 import PAGE, prefill_batch  # noqa: E402
+from shift_x2 import PAGE, big_config, prefill_batch  # noqa: E402
 
 import shiftjax.steps as steps_module  # noqa: E402
 from shiftjax.cache import CacheConfig, allocate_cache  # noqa: E402
@@ -122,12 +121,8 @@ def main() -> int:
     if args.smoke:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", 2)
-    config = dataclasses.replace(LLAMA8B, num_layers=int(os.environ.get("LAYERS", "32")))
-    prompt = 2048
-    if args.smoke:
-        config = dataclasses.replace(config, num_layers=2, hidden_size=256, intermediate_size=512, num_heads=8,
-                                     num_kv_heads=2, head_dim=32, vocab_size=1024)
-        prompt = 64
+    config = big_config(args.smoke)
+    prompt = 64 if args.smoke else 2048
     attention = "reference" if args.smoke else "pallas"
     profile = not args.smoke
     options = xla_compiler_options("cublas", jax.devices()[0].platform)
