@@ -82,11 +82,13 @@ def main() -> int:
         try:
             compiled = fn.lower(*fn_args).compile(options)
             result = np.asarray(compiled(*fn_args), np.float32)
-        except Exception as error:  # a kernel this GPU, JAX or config cannot build
-            out[name] = {"error": f"{type(error).__name__}: {error}"[:400]}
+        except Exception as error:
+            if not name.startswith("mosaic_"):
+                raise  # the XLA variants are the reference: nothing to compare without them
+            out[name] = {"error": f"{type(error).__name__}: {error}"[:400]}  # e.g. a tile over shared memory
             print(name, out[name]["error"], flush=True)
             continue
-        want = result if want is None else want
+        want = result if want is None else want  # sp_a2a's, the first
         span = device_time(compiled, fn_args, iters=10, quiet=True)
         row = {"wall_us": time_fn(compiled, *fn_args, warmup=3, iters=20) * 1e6,
                "span_us": None if span is None else span["span"] * 1e6,
@@ -97,9 +99,10 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "collective_matmul.json"), "w") as f:
         json.dump(out, f, indent=1)
-    # the XLA variants compute the same products; a mismatch there is a bug in this script
-    return 0 if all(out[n].get("max_abs_diff_vs_sp_a2a", 1.0) < 0.05 for n in ("gather_then_matmul", "matmul_only")) \
-        else 1
+    # Every variant that ran computes the same products (bf16 outputs of unit scale): a
+    # larger difference is a bug, in this script or in a kernel.
+    ran = [name for name in variants if "error" not in out[name]]
+    return 0 if all(out[name]["max_abs_diff_vs_sp_a2a"] < 0.05 for name in ran) else 1
 
 
 if __name__ == "__main__":

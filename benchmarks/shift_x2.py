@@ -412,6 +412,9 @@ def sp_all_to_all(smoke: bool, attention: str, profile: bool) -> dict:
         "logits_sha1"] for name in variants if name in out}
     log(f"  the same greedy tokens in every variant: {out['same_tokens']}; the same logits' bytes: "
         f"{out['same_logits']}; SP's logits bytes equal to TP's at 4096: {out['sp_logits_equal_tp_4096']}")
+    # SP's logits equal TP's on the GPUs (every run since x2_run1); not on the CPU in bf16, whose
+    # all-reduce rounds otherwise (the CPU mesh's equality is tested in float32, test_invariance)
+    out["pass"] = out["same_tokens"] and out["same_logits"] and (smoke or all(out["sp_logits_equal_tp_4096"].values()))
     return out
 
 
@@ -552,6 +555,8 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
     config = big_config(smoke)
     prompt_len, decode_steps, profiled = (40, 12, 3) if smoke else (1000, 40, 12)
     seq_counts = (1, 8) if smoke else (1, 8, 64)
+    if seq_buckets and max(seq_buckets) < max(seq_counts):
+        raise ValueError(f"sequence buckets {seq_buckets} cannot hold {max(seq_counts)} sequences")
     weights = shard_params(device_random_params(config, jnp.bfloat16), config, make_mesh(1, 2, jax.devices()[:2]))
     most = max(seq_counts)
     # Prefill in large chunks, so that every sequence is decoding before the first one ends:
@@ -751,7 +756,8 @@ def main() -> int:
     RESULTS["summary"] = summarise(RESULTS)
     write_results(RESULTS, path)
     log(json.dumps(RESULTS["summary"], indent=1))
-    return 0 if all("error" not in RESULTS[p] for p in parts) else 1
+    # a part fails by raising, or by a check it records as "pass" (correct, sp_a2a)
+    return 0 if all("error" not in RESULTS[p] and RESULTS[p].get("pass", True) for p in parts) else 1
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ shipped layer and DP on equal work (target 3 of issue 8), in one process:
   weight in SP mode);
 - ``dp``: one GPU, the whole model, one prompt (DP's share of the equal work).
 
-Each step's logits' bytes must equal the shipped step's (the same sums in the same order).
+Each ``permute`` variant's logits' bytes must equal the shipped step's (the same sums in the
+same order); ``two_copies`` sums in another order, and ``dp`` is another program.
 
     python3 -P benchmarks/sp_exchange.py --out DIR      # nvidia-h200-x2, gpu_env.sh sourced
     python benchmarks/sp_exchange.py --smoke           # 2 CPU devices, tiny
@@ -43,8 +44,9 @@ from shiftjax.steps import make_step, params_for  # noqa: E402
 from shiftjax.weights import shard_params  # noqa: E402
 
 
+# (xla_gpu_enable_analytical_latency_estimator is not here: with it XLA aborts the process,
+# a CHECK in TritonFusion::GetLaunchConfig, JAX 0.11.2 on 2x H200)
 SCHEDULER_OPTIONS = {
-    "analytical": {"xla_gpu_enable_analytical_latency_estimator": True},
     "sol": {"xla_gpu_enable_analytical_sol_latency_estimator": True},
     "slop": {"xla_gpu_memory_limit_slop_factor": 400},
     "overlap2": {"xla_gpu_experimental_parallel_collective_overlap_limit": 2},
@@ -68,6 +70,8 @@ def permute_layer(chunks: int):
     def layer(x, w, k_cache, v_cache, layer_index, ctx):
         dims = ctx.dims
         sp, local = dims.sp, x.shape[0]
+        if local % chunks:
+            raise ValueError(f"{local} tokens a device do not cut into {chunks} chunks")
         size = local // chunks
         h = rms_norm(x, w.attn_norm, ctx.eps)
         gathered = [_exchange(_column_blocks(h[c * size:(c + 1) * size], w.wqkv, sp), sp) for c in range(chunks)]
@@ -139,7 +143,10 @@ def main() -> int:
     wanted = args.variants.split(",") if args.variants else [n for n in variants if "lhs_" not in n]
     if args.smoke:
         wanted = ["shipped", "permute1", "permute2"]
-    variants = {name: variants[name] for name in ["shipped", *wanted] if name in variants}
+    unknown = set(wanted) - set(variants)
+    if unknown:
+        raise SystemExit(f"unknown --variants {sorted(unknown)}; known: {', '.join(variants)}")
+    variants = {name: variants[name] for name in dict.fromkeys(["shipped", *wanted])}
     out = {"layers": config.num_layers, "prompt": prompt}
     mesh = make_mesh(2, 1, jax.devices()[:2])
     params = device_random_params(config, jnp.bfloat16)
@@ -151,7 +158,7 @@ def main() -> int:
                                                [("two_copies", (None, options))]):
             try:
                 out[name], caches = measure(weights, "sp", batch, caches, compile_options, attention, profile, layer)
-            except Exception as error:  # an option this XLA does not know
+            except Exception as error:  # an XLA option this build may not know; the exit status says
                 print(name, f"{type(error).__name__}: {error}"[:300], flush=True)
                 out[f"{name}_error"] = f"{type(error).__name__}: {error}"[:300]
                 continue
@@ -176,9 +183,16 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "sp_exchange.json"), "w") as f:
         json.dump(out, f, indent=1)
-    # the exchanges reorder transfers, not sums: any other logits are a bug in them
-    return 0 if all(out[name]["logits_equal_shipped"] for name in out if name.startswith("permute")
-                    and isinstance(out[name], dict)) else 1
+    # The exchanges reorder transfers, not sums: other logits are a bug in them. A variant
+    # that failed fails the run too, unless it is one of the XLA-option variants (an option
+    # that this XLA does not know is a finding, not a bug).
+    failed = [name[:-len("_error")] for name in out if name.endswith("_error")]
+    unexplained = [name for name in failed if not name.startswith("permute2_lhs_")]
+    wrong = [name for name in out if name.startswith("permute") and isinstance(out[name], dict)
+             and not out[name]["logits_equal_shipped"]]
+    if unexplained or wrong:
+        print(f"FAILED: variants that raised {unexplained}, permute logits unlike shipped {wrong}", flush=True)
+    return 1 if unexplained or wrong else 0
 
 
 if __name__ == "__main__":

@@ -148,7 +148,10 @@ def test_script_smoke(script, tmp_path):
             f"2023-11-16 18:17:{i:02d}.0000000,{300 + 37 * i},{5 + i % 4}\n" for i in range(30)))
         extra = ["--trace", str(trace)]
     output = run([sys.executable, f"benchmarks/{script}", *args, "--out", str(tmp_path), *extra])
-    assert json.loads((tmp_path / result).read_text()), output[-2000:]
+    data = json.loads((tmp_path / result).read_text())
+    assert data, output[-2000:]
+    if script == "sp_exchange.py":  # the exchanges change transfers, not the arithmetic
+        assert all(data[name]["logits_equal_shipped"] for name in ("permute1", "permute2")), output[-2000:]
 
 
 def test_hlo_report_sees_a_layer_slice_in_synthetic_hlo():
