@@ -404,10 +404,11 @@ def sp_all_to_all(smoke: bool, attention: str, profile: bool) -> dict:
             out[name]["sp_vs_tp_4096"] = tp / out[name]["sp:pre4096"]["wall_ms"]
             log(f"  {name}: SP vs DP {dp / sp:.3f}x, SP vs TP at 4096 {out[name]['sp_vs_tp_4096']:.3f}x")
     measured = [out[name] for name in variants if name in out]
-    out["same_tokens"] = all(row[k]["tokens"] == measured[0][k]["tokens"] for row in measured
-                             for k in measured[0] if ":" in k)
-    out["same_logits"] = all(row[k]["logits_sha1"] == measured[0][k]["logits_sha1"] for row in measured
-                             for k in measured[0] if ":" in k)
+
+    def agree(field):  # every variant's steps against the first variant's
+        return all(row[k][field] == measured[0][k][field] for row in measured for k in measured[0] if ":" in k)
+
+    out["same_tokens"], out["same_logits"] = agree("tokens"), agree("logits_sha1")
     out["sp_logits_equal_tp_4096"] = {name: out[name]["sp:pre4096"]["logits_sha1"] == out[name]["tp:pre4096"][
         "logits_sha1"] for name in variants if name in out}
     log(f"  the same greedy tokens in every variant: {out['same_tokens']}; the same logits' bytes: "

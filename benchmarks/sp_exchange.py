@@ -20,27 +20,24 @@ same order); ``two_copies`` sums in another order, and ``dp`` is another program
 from __future__ import annotations
 
 import argparse
-import hashlib
+import contextlib
+import functools
 import json
 import os
 import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model_gpu import device_random_params  # noqa: E402
-from roofline import device_time, time_fn  # noqa: E402
-from shift_x2 import PAGE, big_config, prefill_batch  # noqa: E402
+from shift_x2 import PAGE, big_config, prefill_batch, time_steps  # noqa: E402
 
 import shiftjax.steps as steps_module  # noqa: E402
-from shiftjax.cache import CacheConfig, allocate_cache  # noqa: E402
 from shiftjax.layouts.mesh import SP, TP, make_mesh  # noqa: E402
 from shiftjax.model import _column_blocks, _row_blocks, _swiglu, attention_core, rms_norm  # noqa: E402
-from shiftjax.serving.executables import to_device, xla_compiler_options  # noqa: E402
-from shiftjax.steps import make_step, params_for  # noqa: E402
+from shiftjax.serving.executables import xla_compiler_options  # noqa: E402
 from shiftjax.weights import shard_params  # noqa: E402
 
 
@@ -91,26 +88,15 @@ def permute_layer(chunks: int):
     return layer
 
 
-def measure(weights, mode, batch, caches, options, attention, profile, layer=None):
+@contextlib.contextmanager
+def sp_layer_replaced(layer):
+    """``make_step`` builds SP steps from ``layer`` (None: the shipped ``model.sp_layer``)."""
     shipped = steps_module.sp_layer
     steps_module.sp_layer = layer or shipped
     try:
-        step = make_step(weights, mode, attention=attention, layer_loop="unrolled", sample_in_step=False)
-        compiled = step.lower(params_for(weights, mode), caches, batch).compile(options)
+        yield
     finally:
         steps_module.sp_layer = shipped
-    state = {"caches": caches}
-
-    def run(b, field="packed"):
-        result, state["caches"] = compiled(params_for(weights, mode), state["caches"], b)
-        return getattr(result, field)
-
-    row = {"wall_ms": time_fn(run, batch, warmup=3, iters=15) * 1e3,
-           "logits_sha1": hashlib.sha1(np.asarray(run(batch, "logits").addressable_shards[0].data).tobytes()).hexdigest()}
-    span = device_time(run, (batch,), iters=8, top=5) if profile else None
-    if span:
-        row.update(span_ms=span["span"] * 1e3, by_kind=span["by_kind"])
-    return row, state["caches"]
 
 
 def main() -> int:
@@ -132,8 +118,10 @@ def main() -> int:
     options = xla_compiler_options("cublas", jax.devices()[0].platform)
     lhs = {**(options or {}), "xla_gpu_enable_latency_hiding_scheduler": True}
     max_pages = prompt // PAGE + 1
-    cache_config = CacheConfig(2 * max_pages + 2, PAGE, "bfloat16")
-    batch_host = prefill_batch(2, prompt, max_pages)
+    # shift_x2.time_steps: compiled, timed, profiled, and the logits' digest of each step
+    timed = functools.partial(time_steps, attention=attention, profile=profile, num_pages=2 * max_pages + 2,
+                              sample_in_step=False)
+    sp_shapes = {("sp", "pre2x2048"): prefill_batch(2, prompt, max_pages)}
     variants = {"shipped": (None, options), "permute1": (permute_layer(1), options),
                 "permute2": (permute_layer(2), options), "permute2_lhs": (permute_layer(2), lhs),
                 "permute4_lhs": (permute_layer(4), lhs)}
@@ -152,28 +140,22 @@ def main() -> int:
     params = device_random_params(config, jnp.bfloat16)
     for storage in ("aliased", "two_copies") if args.two_copies else ("aliased",):
         weights = shard_params(params, config, mesh, storage)
-        caches = allocate_cache(mesh, config.num_layers, weights.layout.kv_slots, config.head_dim, cache_config)
-        batch = to_device(batch_host, weights)
         for name, (layer, compile_options) in (variants.items() if storage == "aliased" else
                                                [("two_copies", (None, options))]):
+            print(name, flush=True)
             try:
-                out[name], caches = measure(weights, "sp", batch, caches, compile_options, attention, profile, layer)
+                with sp_layer_replaced(layer):
+                    out[name] = timed(weights, mesh, sp_shapes, compiler_options=compile_options)["sp:pre2x2048"]
             except Exception as error:  # an XLA option this build may not know; the exit status says
                 print(name, f"{type(error).__name__}: {error}"[:300], flush=True)
                 out[f"{name}_error"] = f"{type(error).__name__}: {error}"[:300]
-                continue
-            print(name, {k: v for k, v in out[name].items() if k != "by_kind"}, flush=True)
-            if out[name].get("by_kind"):
-                print("    " + ", ".join(f"{kind} {v['ms']:.2f} ms x{v['count']:.0f}"
-                                         for kind, v in sorted(out[name]["by_kind"].items())), flush=True)
-        del weights, caches
+        del weights
     one = make_mesh(1, 1, jax.devices()[:1])
     weights = shard_params(params, config, one)
     del params
-    caches = allocate_cache(one, config.num_layers, weights.layout.kv_slots, config.head_dim, cache_config)
-    out["dp"], _ = measure(weights, "tp", to_device(prefill_batch(1, prompt, max_pages), weights), caches, options,
-                           attention, profile)
-    print("dp", {k: v for k, v in out["dp"].items() if k != "by_kind"}, flush=True)
+    print("dp", flush=True)
+    out["dp"] = timed(weights, one, {("tp", "pre1x2048"): prefill_batch(1, prompt, max_pages)},
+                      compiler_options=options)["tp:pre1x2048"]
     dp = out["dp"]["wall_ms"]
     for name in [n for n in out if isinstance(out[n], dict) and n != "dp"]:  # (errors are strings)
         out[name]["sp_vs_dp"] = dp / out[name]["wall_ms"]

@@ -39,9 +39,9 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 events = {}  # JAX's duration events (tracing, lowering, compiling, cache reads): name -> [count, s]
 def listen(name, seconds, **_):
-    events.setdefault(name.rsplit("/", 1)[-1], [0, 0.0])
-    events[name.rsplit("/", 1)[-1]][0] += 1
-    events[name.rsplit("/", 1)[-1]][1] += seconds
+    count_seconds = events.setdefault(name.rsplit("/", 1)[-1], [0, 0.0])
+    count_seconds[0] += 1
+    count_seconds[1] += seconds
 jax.monitoring.register_event_duration_secs_listener(listen)
 from shiftjax.serving.llm import LLM
 llm = LLM(**options)
