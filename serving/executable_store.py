@@ -193,8 +193,13 @@ class ExecutableStore:
 
     def save_number(self, key: str, value: int) -> None:
         """A number measured at start-up (the steps' temporary bytes), kept so that a warm
-        start need not compile the steps that measure it."""
-        self._write(self._number_path(key), json.dumps({"format": FORMAT_VERSION, "key": key, "value": int(value)}).encode())
+        start need not compile the steps that measure it. A store that cannot be written (a
+        full disk, a read-only directory) keeps nothing: the number is measured again."""
+        content = json.dumps({"format": FORMAT_VERSION, "key": key, "value": int(value)}).encode()
+        try:
+            self._write(self._number_path(key), content)
+        except OSError:
+            pass
 
     def _number_path(self, key: str) -> Path:
         return self.directory / f"{key}.json"

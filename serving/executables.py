@@ -361,10 +361,7 @@ def temporary_bytes(weights: ModelWeights, caches: KVCache, ladder: BucketLadder
     with concurrent.futures.ThreadPoolExecutor(min(len(lowered), workers or compile_workers(platform, gemm))) as pool:
         largest_size = max(pool.map(size, lowered.values()))
     if store is not None:
-        try:
-            store.save_number(key, largest_size)
-        except OSError:
-            pass  # a full disk or a read-only store: measured again next time
+        store.save_number(key, largest_size)
     return largest_size
 
 
