@@ -477,8 +477,19 @@ COMMAND_BUFFER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLAS
 
 # the engine variants that set EngineConfig.gemm (engine_loop); the others keep the default
 _VARIANT_GEMM = {"cublas": "cublas", "triton": "triton", "triton_small_graphs": "triton"}
+# XLA's command buffers (CUDA graphs) re-record every command that reads or writes an
+# allocation whose address changed since the last run (an argument, an output, the temporary
+# buffer); these modes give some of them stable addresses (JAX 0.11.2's XLA: see the
+# xla_options part for which it accepts)
+UPDATE_MODE = "xla_gpu_command_buffer_update_mode"
 # the engine variants whose steps compile with more XLA options (on top of the backend's)
-_VARIANT_OPTIONS = {"command_buffers": COMMAND_BUFFER_OPTIONS, "triton_small_graphs": {"xla_gpu_graph_min_graph_size": 1}}
+_VARIANT_OPTIONS = {"command_buffers": COMMAND_BUFFER_OPTIONS, "triton_small_graphs": {"xla_gpu_graph_min_graph_size": 1},
+                    "no_command_buffers": {"xla_gpu_enable_command_buffer": ""},
+                    # the mode's names differ between XLA versions: JAX 0.10.2's has NEVER_UPDATE and
+                    # CAPTURE_CMD_NEVER_UPDATE, later ones SKIP_TEMP and SKIP_PROFILED
+                    "never_update": {UPDATE_MODE: "NEVER_UPDATE"},
+                    "capture_never_update": {UPDATE_MODE: "CAPTURE_CMD_NEVER_UPDATE"},
+                    "skip_temp": {UPDATE_MODE: "SKIP_TEMP"}, "skip_profiled": {UPDATE_MODE: "SKIP_PROFILED"}}
 
 
 @contextlib.contextmanager
@@ -488,7 +499,11 @@ def _step_variant(variant: str):
     one command; Triton: XLA's defaults). ``triton_small_graphs``: Triton GEMMs, command
     buffers down to one command (XLA's default: five). ``in_step_sampler``: its steps made
     with the in-step sampler of before (whose ``lax.cond`` skips blocked the host on the GPU).
-    ``command_buffers``: its steps compiled with ``COMMAND_BUFFER_OPTIONS``."""
+    ``command_buffers``: its steps compiled with ``COMMAND_BUFFER_OPTIONS``;
+    ``no_command_buffers``: with none. ``never_update``, ``capture_never_update``,
+    ``skip_temp``, ``skip_profiled``: XLA's command buffer update modes of those names
+    (``UPDATE_MODE``). ``batch_in_temp``: the step copies its
+    batch upload into its own buffers first (``_materialised``)."""
     if variant in _VARIANT_OPTIONS:
         target, name = jax.stages.Lowered, "compile"
         compile_lowered = jax.stages.Lowered.compile
@@ -502,6 +517,12 @@ def _step_variant(variant: str):
 
         def replacement(*args, **kwargs):
             return make_step(*args, **{**kwargs, "sample_in_step": True})
+    elif variant == "batch_in_temp":
+        target, name = executables_module, "unpack_batch"
+        unpack_batch = executables_module.unpack_batch
+
+        def replacement(upload):
+            return unpack_batch(_materialised(upload))
     elif variant == "shipped" or variant in _VARIANT_GEMM:  # nothing to patch (engine_loop sets gemm)
         yield
         return
@@ -513,6 +534,21 @@ def _step_variant(variant: str):
         yield
     finally:
         setattr(target, name, original)
+
+
+def _materialised(tree):
+    """``tree``'s arrays copied by one fusion into buffers of the step's own: every layer's
+    kernels then read the batch there, not in the argument, which has a new address each
+    step (a command buffer re-records each command that reads a moved allocation). The XOR
+    with an opaque zero keeps XLA from folding the copy away, the outer barrier from fusing
+    it into each consumer."""
+    zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.int32))
+    return jax.lax.optimization_barrier(jax.tree.map(lambda a: a ^ zero, tree))
+
+
+def _variant_engine(variant: str, weights, config: EngineConfig) -> Engine:
+    with _step_variant(variant):
+        return Engine(weights, config)
 
 
 class _HostClock:
@@ -536,10 +572,10 @@ class _HostClock:
 
 
 def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 2,
-                seq_buckets: tuple[int, ...] = ()) -> dict:
+                seq_buckets: tuple[int, ...] = (), tp: int = 2) -> dict:
     """Wall time per decode step in the engine's own loop (schedule, pad, place, run,
-    fetch, commit), pure TP over both GPUs (a (1, 2) mesh: one mode, so only TP
-    executables), at 1, 8 and 64 sequences of 1k context: one step at a time (the host
+    fetch, commit), pure TP over ``tp`` GPUs (a (1, tp) mesh: one mode, so only TP
+    executables; ``tp`` 1: one GPU, the whole model), at 1, 8 and 64 sequences of 1k context: one step at a time (the host
     waits for each step before it schedules the next) and with async scheduling (step N+1
     dispatched before N's result is read). Per step, the median host time of each phase
     (``schedule``, ``pad``, ``place`` on the devices, the executable call ``dispatch``,
@@ -558,7 +594,7 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
     seq_counts = (1, 8) if smoke else (1, 8, 64)
     if seq_buckets and max(seq_buckets) < max(seq_counts):
         raise ValueError(f"sequence buckets {seq_buckets} cannot hold {max(seq_counts)} sequences")
-    weights = shard_params(device_random_params(config, jnp.bfloat16), config, make_mesh(1, 2, jax.devices()[:2]))
+    weights = shard_params(device_random_params(config, jnp.bfloat16), config, make_mesh(1, tp, jax.devices()[:tp]))
     most = max(seq_counts)
     # Prefill in large chunks, so that every sequence is decoding before the first one ends:
     # the last prompt's chunks queue behind the others' decode tokens (decode comes first),
@@ -567,21 +603,26 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
     max_tokens = -(-most * prompt_len // prefill_budget) + 2 * decode_steps
     max_model_len = prompt_len + max_tokens + 8
     out = {"weight_bytes_per_device": weight_bytes_per_device(weights, weights.mesh), "rounds": rounds,
-           "seq_buckets": list(seq_buckets or seq_counts)}
+           "seq_buckets": list(seq_buckets or seq_counts), "tp": tp}
     # one clock for every engine: the phases run one after another, each reading its own entries
     clock = _HostClock()
     engines = {}
-    for variant in variants:
+    for variant in list(variants):
         started = time.perf_counter()
-        with _step_variant(variant):
-            engine = Engine(weights, EngineConfig(max_model_len=max_model_len, max_num_seqs=most,
-                                                  num_pages=most * -(-max_model_len // PAGE) + 1,
-                                                  max_num_batched_tokens=prefill_budget,
-                                                  token_buckets=(64, prefill_budget),
-                                                  seq_buckets=seq_buckets or seq_counts, mode="tp",
-                                                  attention=attention,
-                                                  layer_loop="unrolled",
-                                                  gemm=_VARIANT_GEMM.get(variant, EngineConfig.gemm)))
+        engine_config = EngineConfig(
+            max_model_len=max_model_len, max_num_seqs=most, num_pages=most * -(-max_model_len // PAGE) + 1,
+            max_num_batched_tokens=prefill_budget, token_buckets=(64, prefill_budget),
+            seq_buckets=seq_buckets or seq_counts, mode="tp", attention=attention, layer_loop="unrolled",
+            gemm=_VARIANT_GEMM.get(variant, EngineConfig.gemm))
+        try:
+            engine = _variant_engine(variant, weights, engine_config)
+        except Exception as error:  # noqa: BLE001 - an XLA without the variant's option: the others still run
+            if variant not in _VARIANT_OPTIONS or variant == variants[0]:
+                raise
+            out[f"{variant}:error"] = f"{type(error).__name__}: {str(error)[:300]}"
+            log(f"  engine variant {variant} left out: {out[f'{variant}:error']}")
+            variants.remove(variant)
+            continue
         out[f"{variant}:startup"] = {"seconds": time.perf_counter() - started, "phases": engine.startup_seconds}
         engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
         engine.scheduler.commit = clock.wrap("commit", engine.scheduler.commit)
@@ -672,6 +713,23 @@ def _decode_phase(engine, step, clock, seqs, prompt_len, max_tokens, decode_step
     return row
 
 
+def xla_options() -> dict:
+    """Which of the engine variants' XLA options this XLA accepts: each compiles a small
+    program with it (an unknown option or value fails to compile; on a CPU the GPU options
+    are accepted and ignored)."""
+    x = jnp.ones((256, 256), jnp.float32)
+    lowered = jax.jit(lambda a: jnp.tanh(a @ a).sum()).lower(x)
+    out = {}
+    for variant, options in _VARIANT_OPTIONS.items():
+        try:
+            float(lowered.compile(options)(x))
+            out[variant] = "accepted"
+        except Exception as error:  # noqa: BLE001 - the answer is the error
+            out[variant] = f"{type(error).__name__}: {str(error)[:300]}"
+        log(f"  {variant} {options}: {out[variant]}")
+    return out
+
+
 def summarise(results: dict) -> dict:
     """The issue's ratios from this run's own ceilings ({} when a part or one of the step
     rows they need is missing, as in --smoke, which runs one step of each kind)."""
@@ -713,12 +771,16 @@ def main() -> int:
                         help="engines the engine part measures: shipped, cublas, triton (EngineConfig.gemm), "
                              "triton_small_graphs (Triton GEMMs, command buffers down to one command), "
                              "command_buffers (compiled with "
-                             "COMMAND_BUFFER_OPTIONS), in_step_sampler (the steps sample in the step, with "
+                             "COMMAND_BUFFER_OPTIONS), no_command_buffers, skip_temp and skip_profiled "
+                             "(XLA's command buffer update modes), batch_in_temp (the batch copied into the "
+                             "step's own buffers first), in_step_sampler (the steps sample in the step, with "
                              "the conditionals that blocked the host)")
     parser.add_argument("--engine-rounds", type=int, default=2,
                         help="times the engine part measures every (variant, loop), in alternating order")
     parser.add_argument("--engine-seq-buckets", default="",
                         help="the engine part's sequence buckets, comma separated (default: its sequence counts)")
+    parser.add_argument("--engine-tp", type=int, default=2,
+                        help="GPUs the engine part's TP mesh spans (1: one GPU, the whole model)")
     parser.add_argument("--correct-gemms", default=",".join(executables_module.GEMM_BACKENDS),
                         help="the GEMM backends the correct part checks, in order")
     parser.add_argument("--merge", nargs="*", default=[], metavar="JSON",
@@ -748,7 +810,9 @@ def main() -> int:
                "sp_a2a": lambda: sp_all_to_all(args.smoke, attention, profile),
                "engine": lambda: engine_loop(args.smoke, attention, args.engine_variants.split(","),
                                              args.engine_rounds,
-                                             tuple(int(b) for b in args.engine_seq_buckets.split(",") if b))}
+                                             tuple(int(b) for b in args.engine_seq_buckets.split(",") if b),
+                                             args.engine_tp),
+               "xla_options": xla_options}
     parts = [p for p in args.parts.split(",") if p]
     if args.smoke and args.parts == PARTS:
         parts = list(runners)  # every code path, the GPU-only variants included

@@ -27,7 +27,7 @@ VIA_GPU_SCRIPT = {"roofline.py", "decode_variants.py", "model_gpu.py",  # test_g
                   "layer_bench.py", "weight_layout_bench.py",  # test_layers_script_smoke
                   "attention_bench.py"}  # test_kernels_script_smoke
 # test_script_smoke: script -> (arguments, the JSON file it must write into --out)
-SCRIPTS = {"shift_x2.py": (["--smoke"], "shift_x2.json"),
+SCRIPTS = {"shift_x2.py": (["--smoke", "--engine-variants", "shipped,in_step_sampler,batch_in_temp"], "shift_x2.json"),
            "projection.py": (["--smoke"], "projection.json"),
            "dp_host_time.py": (["--smoke"], "dp_host_time.json"),
            "x8_checks.py": (["--dry-run"], "x8_checks.json"),
@@ -152,6 +152,9 @@ def test_script_smoke(script, tmp_path):
     assert data, output[-2000:]
     if script == "sp_exchange.py":  # the exchanges change transfers, not the arithmetic
         assert all(data[name]["logits_equal_shipped"] for name in ("permute1", "permute2")), output[-2000:]
+    if script == "shift_x2.py":  # every engine variant decodes the same greedy tokens (same arithmetic)
+        assert data["engine"]["same_tokens_everywhere"] is True, output[-2000:]
+        assert set(data["xla_options"]) >= {"skip_temp", "no_command_buffers"}, data["xla_options"]
 
 
 def test_hlo_report_sees_a_layer_slice_in_synthetic_hlo():
