@@ -502,38 +502,35 @@ def _step_variant(variant: str):
     ``command_buffers``: its steps compiled with ``COMMAND_BUFFER_OPTIONS``;
     ``no_command_buffers``: with none. ``never_update``, ``capture_never_update``,
     ``skip_temp``, ``skip_profiled``: XLA's command buffer update modes of those names
-    (``UPDATE_MODE``). ``batch_in_temp``: the step copies its
-    batch upload into its own buffers first (``_materialised``)."""
-    if variant in _VARIANT_OPTIONS:
-        target, name = jax.stages.Lowered, "compile"
+    (``UPDATE_MODE``). ``batch_in_temp``: the step copies its batch upload into its own
+    buffers first (``_materialised``); ``skip_temp_batch``: that and ``skip_temp``."""
+    patches = []  # (object, attribute, replacement)
+    options = {**_VARIANT_OPTIONS.get(variant, {}), **(_VARIANT_OPTIONS["skip_temp"] if variant == "skip_temp_batch" else {})}
+    if options:
         compile_lowered = jax.stages.Lowered.compile
-        extra = _VARIANT_OPTIONS[variant]
 
-        def replacement(self, compiler_options=None, **kwargs):
-            return compile_lowered(self, {**extra, **(compiler_options or {})}, **kwargs)
-    elif variant == "in_step_sampler":
-        target, name = executables_module, "make_step"
+        def compile_with(self, compiler_options=None, **kwargs):
+            return compile_lowered(self, {**options, **(compiler_options or {})}, **kwargs)
+        patches.append((jax.stages.Lowered, "compile", compile_with))
+    if variant == "in_step_sampler":
         make_step = executables_module.make_step
 
-        def replacement(*args, **kwargs):
+        def make_sampling_step(*args, **kwargs):
             return make_step(*args, **{**kwargs, "sample_in_step": True})
-    elif variant == "batch_in_temp":
-        target, name = executables_module, "unpack_batch"
+        patches.append((executables_module, "make_step", make_sampling_step))
+    if variant in ("batch_in_temp", "skip_temp_batch"):
         unpack_batch = executables_module.unpack_batch
-
-        def replacement(upload):
-            return unpack_batch(_materialised(upload))
-    elif variant == "shipped" or variant in _VARIANT_GEMM:  # nothing to patch (engine_loop sets gemm)
-        yield
-        return
-    else:
+        patches.append((executables_module, "unpack_batch", lambda upload: unpack_batch(_materialised(upload))))
+    if not patches and variant != "shipped" and variant not in _VARIANT_GEMM:  # (engine_loop sets gemm)
         raise ValueError(f"unknown engine variant {variant!r}")
-    original = getattr(target, name)
-    setattr(target, name, replacement)
+    originals = [(target, name, getattr(target, name)) for target, name, _ in patches]
+    for target, name, replacement in patches:
+        setattr(target, name, replacement)
     try:
         yield
     finally:
-        setattr(target, name, original)
+        for target, name, original in originals:
+            setattr(target, name, original)
 
 
 def _materialised(tree):
@@ -572,7 +569,8 @@ class _HostClock:
 
 
 def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 2,
-                seq_buckets: tuple[int, ...] = (), tp: int = 2) -> dict:
+                seq_buckets: tuple[int, ...] = (), tp: int = 2, model: str = "llama8b",
+                seq_counts: tuple[int, ...] = ()) -> dict:
     """Wall time per decode step in the engine's own loop (schedule, pad, place, run,
     fetch, commit), pure TP over ``tp`` GPUs (a (1, tp) mesh: one mode, so only TP
     executables; ``tp`` 1: one GPU, the whole model), at 1, 8 and 64 sequences of 1k context: one step at a time (the host
@@ -588,10 +586,12 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
     measured one variant after another, saw the first one launch slower).
 
     ``seq_buckets``: the engines' sequence buckets (default: one per sequence count; ``8,64``
-    runs one sequence in a bucket of 8, as ``serve``'s default ladder does)."""
-    config = big_config(smoke)
+    runs one sequence in a bucket of 8, as ``serve``'s default ladder does). ``model``:
+    ``llama8b`` (Llama-3.1-8B shape) or ``smollm2`` (the default model's shape, where the
+    host's share is largest); ``seq_counts``: default 1, 8 and 64."""
+    config = big_config(smoke) if model == "llama8b" else model_gpu.SMOLLM2
     prompt_len, decode_steps, profiled = (40, 12, 3) if smoke else (1000, 40, 12)
-    seq_counts = (1, 8) if smoke else (1, 8, 64)
+    seq_counts = seq_counts or ((1, 8) if smoke else (1, 8, 64))
     if seq_buckets and max(seq_buckets) < max(seq_counts):
         raise ValueError(f"sequence buckets {seq_buckets} cannot hold {max(seq_counts)} sequences")
     weights = shard_params(device_random_params(config, jnp.bfloat16), config, make_mesh(1, tp, jax.devices()[:tp]))
@@ -603,7 +603,7 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
     max_tokens = -(-most * prompt_len // prefill_budget) + 2 * decode_steps
     max_model_len = prompt_len + max_tokens + 8
     out = {"weight_bytes_per_device": weight_bytes_per_device(weights, weights.mesh), "rounds": rounds,
-           "seq_buckets": list(seq_buckets or seq_counts), "tp": tp}
+           "seq_buckets": list(seq_buckets or seq_counts), "tp": tp, "model": model}
     # one clock for every engine: the phases run one after another, each reading its own entries
     clock = _HostClock()
     engines = {}
@@ -617,7 +617,7 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
         try:
             engine = _variant_engine(variant, weights, engine_config)
         except Exception as error:  # noqa: BLE001 - an XLA without the variant's option: the others still run
-            if variant not in _VARIANT_OPTIONS or variant == variants[0]:
+            if "While setting option" not in str(error) or variant == variants[0]:
                 raise
             out[f"{variant}:error"] = f"{type(error).__name__}: {str(error)[:300]}"
             log(f"  engine variant {variant} left out: {out[f'{variant}:error']}")
@@ -773,7 +773,7 @@ def main() -> int:
                              "command_buffers (compiled with "
                              "COMMAND_BUFFER_OPTIONS), no_command_buffers, skip_temp and skip_profiled "
                              "(XLA's command buffer update modes), batch_in_temp (the batch copied into the "
-                             "step's own buffers first), in_step_sampler (the steps sample in the step, with "
+                             "step's own buffers first), skip_temp_batch (both), in_step_sampler (the steps sample in the step, with "
                              "the conditionals that blocked the host)")
     parser.add_argument("--engine-rounds", type=int, default=2,
                         help="times the engine part measures every (variant, loop), in alternating order")
@@ -781,6 +781,10 @@ def main() -> int:
                         help="the engine part's sequence buckets, comma separated (default: its sequence counts)")
     parser.add_argument("--engine-tp", type=int, default=2,
                         help="GPUs the engine part's TP mesh spans (1: one GPU, the whole model)")
+    parser.add_argument("--engine-model", default="llama8b", choices=("llama8b", "smollm2"),
+                        help="the engine part's model shape (random bf16 weights)")
+    parser.add_argument("--engine-seq-counts", default="",
+                        help="sequences decoding in the engine part's steps, comma separated (default 1,8,64)")
     parser.add_argument("--correct-gemms", default=",".join(executables_module.GEMM_BACKENDS),
                         help="the GEMM backends the correct part checks, in order")
     parser.add_argument("--merge", nargs="*", default=[], metavar="JSON",
@@ -811,7 +815,8 @@ def main() -> int:
                "engine": lambda: engine_loop(args.smoke, attention, args.engine_variants.split(","),
                                              args.engine_rounds,
                                              tuple(int(b) for b in args.engine_seq_buckets.split(",") if b),
-                                             args.engine_tp),
+                                             args.engine_tp, args.engine_model,
+                                             tuple(int(n) for n in args.engine_seq_counts.split(",") if n)),
                "xla_options": xla_options}
     parts = [p for p in args.parts.split(",") if p]
     if args.smoke and args.parts == PARTS:

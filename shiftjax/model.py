@@ -169,14 +169,25 @@ def embed_tokens(token_ids, embed, dims: LocalDims):
     return psum_head_axes(jnp.where(mine[:, None], rows, jnp.zeros((), embed.dtype)))
 
 
+# The LM head multiplies at least this many rows. XLA on GPUs makes a one-row bf16 product
+# with float32 results a matrix-vector call that first converts the whole table to float32:
+# on one H200, Llama-3.1-8B shape, 0.75 ms for the conversion and 0.50 ms for the call in
+# every one-sequence step, against 0.24 ms for the GEMM of eight rows (shift_x2.py's engine
+# part with --engine-tp 1; benchmarks/x2_results.md, "One GPU").
+MIN_LOGIT_ROWS = 8
+
+
 def lm_logits(hidden: Float[Array, "seqs d"], embed, lm_head, dims: LocalDims) -> Float[Array, "seqs vocab"]:
     """Full-vocabulary float32 logits for the sampled rows (replicated on every device)."""
+    rows = hidden.shape[0]
+    if rows < MIN_LOGIT_ROWS:
+        hidden = jnp.pad(hidden, ((0, MIN_LOGIT_ROWS - rows), (0, 0)))
     if lm_head is None:
         local = jnp.einsum("bd,vd->bv", hidden, embed, preferred_element_type=jnp.float32)
     else:
         local = jnp.einsum("bd,dv->bv", hidden, lm_head, preferred_element_type=jnp.float32)
     logits = lax.all_gather(local, HEAD_AXES, axis=1, tiled=True)
-    return logits[:, :dims.vocab_size]  # drop the padding rows of the last vocabulary block
+    return logits[:rows, :dims.vocab_size]  # drop the padding of the last vocabulary block
 
 
 def run_layers(layer_fn, x, layers: LayerWeights, k_cache, v_cache, ctx: Context, *, unrolled: bool = False):
