@@ -39,6 +39,7 @@ from roofline import device_idle, device_time, time_fn  # noqa: E402
 
 from shiftjax.batch import empty_batch  # noqa: E402
 from shiftjax.cache import CacheConfig, allocate_cache  # noqa: E402
+from shiftjax import model as model_module  # noqa: E402
 from shiftjax.layouts.mesh import make_mesh  # noqa: E402
 from shiftjax.serving import executables as executables_module  # noqa: E402
 from shiftjax.serving.engine import Engine, EngineConfig  # noqa: E402
@@ -503,7 +504,9 @@ def _step_variant(variant: str):
     ``no_command_buffers``: with none. ``never_update``, ``capture_never_update``,
     ``skip_temp``, ``skip_profiled``: XLA's command buffer update modes of those names
     (``UPDATE_MODE``). ``batch_in_temp``: the step copies its batch upload into its own
-    buffers first (``_materialised``); ``skip_temp_batch``: that and ``skip_temp``."""
+    buffers first (``_materialised``); ``skip_temp_batch``: that and ``skip_temp``.
+    ``one_row_logits``: the LM head multiplies the sampled rows alone (``model.MIN_LOGIT_ROWS``
+    1, as before it was 8)."""
     patches = []  # (object, attribute, replacement)
     options = {**_VARIANT_OPTIONS.get(variant, {}), **(_VARIANT_OPTIONS["skip_temp"] if variant == "skip_temp_batch" else {})}
     if options:
@@ -521,6 +524,8 @@ def _step_variant(variant: str):
     if variant in ("batch_in_temp", "skip_temp_batch"):
         unpack_batch = executables_module.unpack_batch
         patches.append((executables_module, "unpack_batch", lambda upload: unpack_batch(_materialised(upload))))
+    if variant == "one_row_logits":  # the LM head before 98d9a7a: one row stays one row
+        patches.append((model_module, "MIN_LOGIT_ROWS", 1))
     if not patches and variant != "shipped" and variant not in _VARIANT_GEMM:  # (engine_loop sets gemm)
         raise ValueError(f"unknown engine variant {variant!r}")
     originals = [(target, name, getattr(target, name)) for target, name, _ in patches]
@@ -773,7 +778,8 @@ def main() -> int:
                              "command_buffers (compiled with "
                              "COMMAND_BUFFER_OPTIONS), no_command_buffers, skip_temp and skip_profiled "
                              "(XLA's command buffer update modes), batch_in_temp (the batch copied into the "
-                             "step's own buffers first), skip_temp_batch (both), in_step_sampler (the steps sample in the step, with "
+                             "step's own buffers first), skip_temp_batch (both), one_row_logits (the LM head "
+                             "of before MIN_LOGIT_ROWS), in_step_sampler (the steps sample in the step, with "
                              "the conditionals that blocked the host)")
     parser.add_argument("--engine-rounds", type=int, default=2,
                         help="times the engine part measures every (variant, loop), in alternating order")
