@@ -38,7 +38,8 @@ SCRIPTS = {"shift_x2.py": (["--smoke", "--engine-variants", "shipped,in_step_sam
            "lowering_time.py": (["--smoke"], "lowering_time.json"),
            "dummy_start.py": (["--smoke"], "dummy_start.json"),
            "sp_exchange.py": (["--smoke"], "sp_exchange.json"),
-           "collective_matmul.py": (["--smoke"], "collective_matmul.json")}
+           "collective_matmul.py": (["--smoke"], "collective_matmul.json"),
+           "command_buffer_log.py": (["--smoke"], "command_buffer_log.json")}
 # restore_gpu.py --smoke runs in tests/test_sharded_restore.py, which checks its phases' results
 SMOKED_ELSEWHERE = {"restore_gpu.py"}
 SLOW = {"shift_x2.py", "x8_checks.py"}  # about a minute of wall clock each on a 2-core machine
