@@ -51,6 +51,7 @@ from shiftjax.weights import shard_params  # noqa: E402
 PAGE = 16
 PARTS = "ceilings,correct,steps_mesh,steps_1gpu,engine"  # the default run; allreduce and collectives on request
 RESULTS: dict = {}
+RECORDED_ENVIRONMENT = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_ALLOCATOR", "TF_CPP_VMODULE", "NCCL_NVLS_ENABLE")
 
 
 def log(*args):
@@ -484,7 +485,8 @@ _VARIANT_GEMM = {"cublas": "cublas", "triton": "triton", "triton_small_graphs": 
 # xla_options part for which it accepts)
 UPDATE_MODE = "xla_gpu_command_buffer_update_mode"
 # the engine variants whose steps compile with more XLA options (on top of the backend's)
-_VARIANT_OPTIONS = {"command_buffers": COMMAND_BUFFER_OPTIONS, "triton_small_graphs": {"xla_gpu_graph_min_graph_size": 1},
+_VARIANT_OPTIONS = {"command_buffers": COMMAND_BUFFER_OPTIONS,
+                    "triton_small_graphs": {"xla_gpu_graph_min_graph_size": 1},
                     "no_command_buffers": {"xla_gpu_enable_command_buffer": ""},
                     # the mode's names differ between XLA versions: JAX 0.10.2's has NEVER_UPDATE and
                     # CAPTURE_CMD_NEVER_UPDATE, later ones SKIP_TEMP and SKIP_PROFILED
@@ -505,10 +507,12 @@ def _step_variant(variant: str):
     ``skip_temp``, ``skip_profiled``: XLA's command buffer update modes of those names
     (``UPDATE_MODE``). ``batch_in_temp``: the step copies its batch upload into its own
     buffers first (``_materialised``); ``skip_temp_batch``: that and ``skip_temp``.
-    ``one_row_logits``: the LM head multiplies the sampled rows alone (``model.MIN_LOGIT_ROWS``
-    1, as before it was 8)."""
+    ``one_row_logits``: the LM head multiplies the sampled rows alone, as before
+    ``model.MIN_LOGIT_ROWS`` (patched to 1)."""
     patches = []  # (object, attribute, replacement)
-    options = {**_VARIANT_OPTIONS.get(variant, {}), **(_VARIANT_OPTIONS["skip_temp"] if variant == "skip_temp_batch" else {})}
+    options = dict(_VARIANT_OPTIONS.get(variant, {}))
+    if variant == "skip_temp_batch":
+        options.update(_VARIANT_OPTIONS["skip_temp"])
     if options:
         compile_lowered = jax.stages.Lowered.compile
 
@@ -578,8 +582,9 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
                 seq_counts: tuple[int, ...] = ()) -> dict:
     """Wall time per decode step in the engine's own loop (schedule, pad, place, run,
     fetch, commit), pure TP over ``tp`` GPUs (a (1, tp) mesh: one mode, so only TP
-    executables; ``tp`` 1: one GPU, the whole model), at 1, 8 and 64 sequences of 1k context: one step at a time (the host
-    waits for each step before it schedules the next) and with async scheduling (step N+1
+    executables; ``tp`` 1: one GPU, the whole model), at 1, 8 and 64 sequences of 1k
+    context: one step at a time (the host waits for each step before it schedules the
+    next) and with async scheduling (step N+1
     dispatched before N's result is read). Per step, the median host time of each phase
     (``schedule``, ``pad``, ``place`` on the devices, the executable call ``dispatch``,
     ``fetch`` of the result, ``commit``), and from a profile of steady-state steps (first
@@ -594,6 +599,7 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
     runs one sequence in a bucket of 8, as ``serve``'s default ladder does). ``model``:
     ``llama8b`` (Llama-3.1-8B shape) or ``smollm2`` (the default model's shape, where the
     host's share is largest); ``seq_counts``: default 1, 8 and 64."""
+    variants = list(variants)  # variants whose options this XLA refuses are dropped below
     config = big_config(smoke) if model == "llama8b" else model_gpu.SMOLLM2
     prompt_len, decode_steps, profiled = (40, 12, 3) if smoke else (1000, 40, 12)
     seq_counts = seq_counts or ((1, 8) if smoke else (1, 8, 64))
@@ -803,7 +809,9 @@ def main() -> int:
     attention = "reference" if args.smoke else "pallas"
     profile = not args.smoke
     RESULTS.update(device=f"{jax.device_count()}x {jax.devices()[0].device_kind}", jax=jax.__version__,
-                   commit=os.environ.get("COMMIT", "unknown"))
+                   commit=os.environ.get("COMMIT", "unknown"),
+                   # what changes XLA's behaviour from outside the script: kept with the numbers
+                   environment={name: os.environ.get(name) for name in RECORDED_ENVIRONMENT})
     os.makedirs(args.out, exist_ok=True)
     for path in args.merge:
         with open(path) as f:

@@ -38,9 +38,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                        help="on SIGTERM/SIGINT, how long running requests may take to finish")
     group.add_argument("--served-model-name", default=None, help="the model name both front ends report")
     group.add_argument("--gpu-allocator", choices=GPU_ALLOCATORS, default="default",
-                       help="JAX's GPU memory allocator: default (BFC), or vmm, under which XLA did not fall into "
-                            "stretches of steps that re-record every CUDA graph (1.5-1.8x slower decode steps on "
-                            "2x H200; serving/gpu_allocator.py); vmm needs --num-pages")
+                       help="JAX's GPU memory allocator: default (BFC), or vmm, under which XLA stopped "
+                            "re-recording every CUDA graph of a step in stretches of decode steps "
+                            "(serving/gpu_allocator.py); vmm needs --num-pages")
     group.add_argument("--dp", type=int, default=1, metavar="P",
                        help="data parallel: P engines of one device each (devices 0..P-1) behind this one endpoint, "
                             "each request routed to the engine with the fewest queued tokens; needs --sp 1 --tp 1")

@@ -173,7 +173,8 @@ def embed_tokens(token_ids, embed, dims: LocalDims):
 # with float32 results a matrix-vector call that first converts the whole table to float32:
 # on one H200, Llama-3.1-8B shape, 0.75 ms for the conversion and 0.50 ms for the call in
 # every one-sequence step, against 0.24 ms for the GEMM of eight rows (shift_x2.py's engine
-# part with --engine-tp 1; benchmarks/x2_results.md, "One GPU").
+# part with --engine-tp 1; benchmarks/x2_results.md, "Command buffers re-recorded; the
+# one-row LM head; one GPU").
 MIN_LOGIT_ROWS = 8
 
 

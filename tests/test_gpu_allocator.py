@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from shiftjax.serving.gpu_allocator import ENVIRONMENT_VARIABLE, gpu_allocator_error, use_gpu_allocator
+from shiftjax.serving.gpu_allocator import JAX_ALLOCATOR_VARIABLE, gpu_allocator_error, use_gpu_allocator
 from shiftjax.serving.serve_cli import serve_main
 
 
@@ -17,7 +17,8 @@ def test_vmm_needs_a_page_count():
     assert gpu_allocator_error("default", None) is None
     assert gpu_allocator_error("vmm", 4096) is None
     assert "--num-pages" in gpu_allocator_error("vmm", None)
-    assert "must be one of" in gpu_allocator_error("cuda_async", 16)
+    with pytest.raises(ValueError, match="must be one of"):
+        use_gpu_allocator("cuda_async")
 
 
 def test_serve_refuses_vmm_without_num_pages_before_starting(capsys):
@@ -28,24 +29,26 @@ def test_serve_refuses_vmm_without_num_pages_before_starting(capsys):
 
 
 def test_default_leaves_the_environment_alone(monkeypatch):
-    monkeypatch.delenv(ENVIRONMENT_VARIABLE, raising=False)
+    monkeypatch.delenv(JAX_ALLOCATOR_VARIABLE, raising=False)
     use_gpu_allocator("default")
-    assert ENVIRONMENT_VARIABLE not in os.environ
+    assert JAX_ALLOCATOR_VARIABLE not in os.environ
 
 
 def test_vmm_is_set_before_the_backends_start_and_refused_after():
+    """In a fresh process: the variable is set while JAX has no backend, and the call is
+    refused once a device has been touched."""
     script = f"""
 import os, jax
 from shiftjax.serving.gpu_allocator import use_gpu_allocator
 use_gpu_allocator("vmm")
-print("set", os.environ["{ENVIRONMENT_VARIABLE}"])
+print("set", os.environ["{JAX_ALLOCATOR_VARIABLE}"])
 jax.devices()
 try:
     use_gpu_allocator("vmm")
 except RuntimeError as error:
-    print("refused", "already started" in str(error))
+    print("refused", "already set up" in str(error))
 """
-    env = {k: v for k, v in os.environ.items() if k != ENVIRONMENT_VARIABLE}
+    env = {k: v for k, v in os.environ.items() if k != JAX_ALLOCATOR_VARIABLE}
     env["JAX_PLATFORMS"] = "cpu"
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
