@@ -355,9 +355,11 @@ def test_a_failing_step_fails_its_requests_and_serving_goes_on(service, engine, 
 
 def test_drain_refuses_new_requests_then_aborts_the_rest(service):
     async def main():
-        stream = service.submit(request([1, 2, 3], max_tokens=50))
+        # 60 tokens (the most max_model_len allows) cannot all come within a 10 ms grace; with
+        # 50 and 50 ms the request once finished in time on an idle machine (aborted == 0)
+        stream = service.submit(request([1, 2, 3], max_tokens=60))
         await stream.__anext__()
-        aborted = await service.drain(0.05)
+        aborted = await service.drain(0.01)
         with pytest.raises(Unavailable):
             service.submit(request([1, 2]))
         return aborted, await collect(stream)
