@@ -356,7 +356,7 @@ def test_a_failing_step_fails_its_requests_and_serving_goes_on(service, engine, 
 def test_drain_refuses_new_requests_then_aborts_the_rest(service):
     async def main():
         # 60 tokens (the most max_model_len allows) cannot all come within a 10 ms grace; with
-        # 50 and 50 ms the request once finished in time on an idle machine (aborted == 0)
+        # 50 and 50 ms the request once finished in time in a full run (aborted == 0)
         stream = service.submit(request([1, 2, 3], max_tokens=60))
         await stream.__anext__()
         aborted = await service.drain(0.01)
