@@ -9,15 +9,14 @@ reduction, device copy, bf16 matmul; best of several), ``correct`` (SmolLM2-shap
 random model: greedy tokens of one GPU vs the 2-GPU mesh in TP, SP and alternate;
 Llama-3.1-8B shape in bf16: TP vs SP logits), ``steps`` (the compiled steps alone: wall
 and device span per step), ``sp_a2a`` (SP's all-to-alls against DP: NCCL kernels or copy
-engines), ``engine`` (the engine's steady-state decode loop, where host time shows). Ratios are against ceilings measured in the same run.
+engines), ``engine`` (the engine's steady-state decode loop, where host time shows;
+engine_loop.py, with ``xla_options``). Ratios are against ceilings measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -35,11 +34,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import model_gpu  # noqa: E402
 from model_gpu import LLAMA8B, SMOLLM2, device_random_params  # noqa: E402
 import roofline  # noqa: E402
-from roofline import device_idle, device_time, time_fn  # noqa: E402
+from roofline import device_time, time_fn  # noqa: E402
 
 from shiftjax.batch import empty_batch  # noqa: E402
 from shiftjax.cache import CacheConfig, allocate_cache  # noqa: E402
-from shiftjax import model as model_module  # noqa: E402
 from shiftjax.layouts.mesh import make_mesh  # noqa: E402
 from shiftjax.serving import executables as executables_module  # noqa: E402
 from shiftjax.serving.engine import Engine, EngineConfig  # noqa: E402
@@ -477,270 +475,6 @@ COMMAND_BUFFER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLAS
                           "xla_gpu_graph_min_graph_size": "1"}
 
 
-# the engine variants that set EngineConfig.gemm (engine_loop); the others keep the default
-_VARIANT_GEMM = {"cublas": "cublas", "triton": "triton", "triton_small_graphs": "triton"}
-# XLA's command buffers (CUDA graphs) re-record every command that reads or writes an
-# allocation whose address changed since the last run (an argument, an output, the temporary
-# buffer); these modes give some of them stable addresses (JAX 0.11.2's XLA: see the
-# xla_options part for which it accepts)
-UPDATE_MODE = "xla_gpu_command_buffer_update_mode"
-# the engine variants whose steps compile with more XLA options (on top of the backend's)
-_VARIANT_OPTIONS = {"command_buffers": COMMAND_BUFFER_OPTIONS,
-                    "triton_small_graphs": {"xla_gpu_graph_min_graph_size": 1},
-                    "no_command_buffers": {"xla_gpu_enable_command_buffer": ""},
-                    # the mode's names differ between XLA versions: JAX 0.10.2's has NEVER_UPDATE and
-                    # CAPTURE_CMD_NEVER_UPDATE, later ones SKIP_TEMP and SKIP_PROFILED
-                    "never_update": {UPDATE_MODE: "NEVER_UPDATE"},
-                    "capture_never_update": {UPDATE_MODE: "CAPTURE_CMD_NEVER_UPDATE"},
-                    "skip_temp": {UPDATE_MODE: "SKIP_TEMP"}, "skip_profiled": {UPDATE_MODE: "SKIP_PROFILED"}}
-
-
-@contextlib.contextmanager
-def _step_variant(variant: str):
-    """``shipped``: the engine as it is (its default GEMM backend and options).
-    ``cublas`` / ``triton``: its steps with that ``gemm`` (cuBLAS: command buffers down to
-    one command; Triton: XLA's defaults). ``triton_small_graphs``: Triton GEMMs, command
-    buffers down to one command (XLA's default: five). ``in_step_sampler``: its steps made
-    with the in-step sampler of before (whose ``lax.cond`` skips blocked the host on the GPU).
-    ``command_buffers``: its steps compiled with ``COMMAND_BUFFER_OPTIONS``;
-    ``no_command_buffers``: with none. ``never_update``, ``capture_never_update``,
-    ``skip_temp``, ``skip_profiled``: XLA's command buffer update modes of those names
-    (``UPDATE_MODE``). ``batch_in_temp``: the step copies its batch upload into its own
-    buffers first (``_materialised``); ``skip_temp_batch``: that and ``skip_temp``.
-    ``one_row_logits``: the LM head multiplies the sampled rows alone, as before
-    ``model.MIN_LOGIT_ROWS`` (patched to 1)."""
-    patches = []  # (object, attribute, replacement)
-    options = dict(_VARIANT_OPTIONS.get(variant, {}))
-    if variant == "skip_temp_batch":
-        options.update(_VARIANT_OPTIONS["skip_temp"])
-    if options:
-        compile_lowered = jax.stages.Lowered.compile
-
-        def compile_with(self, compiler_options=None, **kwargs):
-            return compile_lowered(self, {**options, **(compiler_options or {})}, **kwargs)
-        patches.append((jax.stages.Lowered, "compile", compile_with))
-    if variant == "in_step_sampler":
-        make_step = executables_module.make_step
-
-        def make_sampling_step(*args, **kwargs):
-            return make_step(*args, **{**kwargs, "sample_in_step": True})
-        patches.append((executables_module, "make_step", make_sampling_step))
-    if variant in ("batch_in_temp", "skip_temp_batch"):
-        unpack_batch = executables_module.unpack_batch
-        patches.append((executables_module, "unpack_batch", lambda upload: unpack_batch(_materialised(upload))))
-    if variant == "one_row_logits":  # the LM head before 98d9a7a: one row stays one row
-        patches.append((model_module, "MIN_LOGIT_ROWS", 1))
-    if not patches and variant != "shipped" and variant not in _VARIANT_GEMM:  # (engine_loop sets gemm)
-        raise ValueError(f"unknown engine variant {variant!r}")
-    originals = [(target, name, getattr(target, name)) for target, name, _ in patches]
-    for target, name, replacement in patches:
-        setattr(target, name, replacement)
-    try:
-        yield
-    finally:
-        for target, name, original in originals:
-            setattr(target, name, original)
-
-
-def _materialised(tree):
-    """``tree``'s arrays copied by one fusion into buffers of the step's own: every layer's
-    kernels then read the batch there, not in the argument, which has a new address each
-    step (a command buffer re-records each command that reads a moved allocation). The XOR
-    with an opaque zero keeps XLA from folding the copy away, the outer barrier from fusing
-    it into each consumer."""
-    zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.int32))
-    return jax.lax.optimization_barrier(jax.tree.map(lambda a: a ^ zero, tree))
-
-
-def _variant_engine(variant: str, weights, config: EngineConfig) -> Engine:
-    with _step_variant(variant):
-        return Engine(weights, config)
-
-
-class _HostClock:
-    """Seconds per call of the engine's host phases, collected by wrapping them."""
-
-    def __init__(self):
-        self.seconds: dict[str, list[float]] = collections.defaultdict(list)
-
-    def wrap(self, name, fn):
-        def timed(*args, **kwargs):
-            began = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[name].append(time.perf_counter() - began)
-        return timed
-
-    def medians_ms(self, since: dict[str, int]) -> dict[str, float]:
-        return {name: float(np.median(values[since.get(name, 0):])) * 1e3
-                for name, values in self.seconds.items() if len(values) > since.get(name, 0)}
-
-
-def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 2,
-                seq_buckets: tuple[int, ...] = (), tp: int = 2, model: str = "llama8b",
-                seq_counts: tuple[int, ...] = ()) -> dict:
-    """Wall time per decode step in the engine's own loop (schedule, pad, place, run,
-    fetch, commit), pure TP over ``tp`` GPUs (a (1, tp) mesh: one mode, so only TP
-    executables; ``tp`` 1: one GPU, the whole model), at 1, 8 and 64 sequences of 1k
-    context: one step at a time (the host waits for each step before it schedules the
-    next) and with async scheduling (step N+1
-    dispatched before N's result is read). Per step, the median host time of each phase
-    (``schedule``, ``pad``, ``place`` on the devices, the executable call ``dispatch``,
-    ``fetch`` of the result, ``commit``), and from a profile of steady-state steps (first
-    round only) the share of the time each GPU sits idle (target 4: < 5%).
-
-    ``variants`` (see ``_step_variant``) are all built first, then measured interleaved:
-    per sequence count, every (variant, loop) once in order and once in reverse, ``rounds``
-    times in all, so that neither drift nor going first favours one (earlier runs, which
-    measured one variant after another, saw the first one launch slower).
-
-    ``seq_buckets``: the engines' sequence buckets (default: one per sequence count; ``8,64``
-    runs one sequence in a bucket of 8, as ``serve``'s default ladder does). ``model``:
-    ``llama8b`` (Llama-3.1-8B shape) or ``smollm2`` (the default model's shape, where the
-    host's share is largest); ``seq_counts``: default 1, 8 and 64."""
-    variants = list(variants)  # variants whose options this XLA refuses are dropped below
-    config = big_config(smoke) if model == "llama8b" else model_gpu.SMOLLM2
-    prompt_len, decode_steps, profiled = (40, 12, 3) if smoke else (1000, 40, 12)
-    seq_counts = seq_counts or ((1, 8) if smoke else (1, 8, 64))
-    if seq_buckets and max(seq_buckets) < max(seq_counts):
-        raise ValueError(f"sequence buckets {seq_buckets} cannot hold {max(seq_counts)} sequences")
-    weights = shard_params(device_random_params(config, jnp.bfloat16), config, make_mesh(1, tp, jax.devices()[:tp]))
-    most = max(seq_counts)
-    # Prefill in large chunks, so that every sequence is decoding before the first one ends:
-    # the last prompt's chunks queue behind the others' decode tokens (decode comes first),
-    # and with a 64-token budget the first sequences ended before the last one began.
-    prefill_budget = 4 * prompt_len if smoke else 1024
-    max_tokens = -(-most * prompt_len // prefill_budget) + 2 * decode_steps
-    max_model_len = prompt_len + max_tokens + 8
-    out = {"weight_bytes_per_device": weight_bytes_per_device(weights, weights.mesh), "rounds": rounds,
-           "seq_buckets": list(seq_buckets or seq_counts), "tp": tp, "model": model}
-    # one clock for every engine: the phases run one after another, each reading its own entries
-    clock = _HostClock()
-    engines = {}
-    for variant in list(variants):
-        started = time.perf_counter()
-        engine_config = EngineConfig(
-            max_model_len=max_model_len, max_num_seqs=most, num_pages=most * -(-max_model_len // PAGE) + 1,
-            max_num_batched_tokens=prefill_budget, token_buckets=(64, prefill_budget),
-            seq_buckets=seq_buckets or seq_counts, mode="tp", attention=attention, layer_loop="unrolled",
-            gemm=_VARIANT_GEMM.get(variant, EngineConfig.gemm))
-        try:
-            engine = _variant_engine(variant, weights, engine_config)
-        except Exception as error:  # noqa: BLE001 - an XLA without the variant's option: the others still run
-            if "While setting option" not in str(error) or variant == variants[0]:
-                raise
-            out[f"{variant}:error"] = f"{type(error).__name__}: {str(error)[:300]}"
-            log(f"  engine variant {variant} left out: {out[f'{variant}:error']}")
-            variants.remove(variant)
-            continue
-        out[f"{variant}:startup"] = {"seconds": time.perf_counter() - started, "phases": engine.startup_seconds}
-        engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
-        engine.scheduler.commit = clock.wrap("commit", engine.scheduler.commit)
-        engine.executables.compiled = {key: clock.wrap("dispatch", fn) for key, fn in engine.executables.compiled.items()}
-        engines[variant] = engine
-    originals = {name: getattr(executables_module, name) for name in ("pad_batch", "place_upload", "packed_to_host")}
-    for name, label in (("pad_batch", "pad"), ("place_upload", "place"), ("packed_to_host", "fetch")):
-        setattr(executables_module, name, clock.wrap(label, originals[name]))
-
-    def one_at_a_time(engine):  # what run_step did before async scheduling
-        launched = engine.launch_step()
-        if launched is not None:
-            engine.finish_step(launched)
-
-    outputs = {}
-    try:
-        for seqs in seq_counts:
-            order = [(v, loop) for v in variants for loop in ("sync", "async")]
-            measured = collections.defaultdict(list)
-            for r in range(rounds):
-                for variant, loop in order if r % 2 == 0 else order[::-1]:
-                    engine = engines[variant]
-                    step = engine.step if loop == "async" else functools.partial(one_at_a_time, engine)
-                    row = _decode_phase(engine, step, clock, seqs, prompt_len, max_tokens, decode_steps,
-                                        profiled if r == 0 else 0)
-                    outputs[f"{variant}:{loop}:dec{seqs}:r{r}"] = row.pop("output_ids")
-                    measured[(variant, loop)].append(row)
-                    idle = "" if "idle_fraction_max" not in row else \
-                        f", GPUs idle {100 * row['idle_fraction_max']:.1f}% of the profiled steps"
-                    phases = " ".join(f"{k} {v:.2f}" for k, v in row["host_ms"].items())
-                    log(f"  engine loop, round {r}, {variant:6s} {loop:5s} {seqs:2d} seqs: "
-                        f"{row['wall_ms_median']:.2f} ms per decode step{idle}; host ms per call: {phases}")
-                    for plane, profile in sorted((row["idle"] or {}).items())[:1]:
-                        log(f"    {plane}, kernels per step: " + ", ".join(
-                            f"{kind} {v['ms']:.2f} ms x{v['count']:.0f}" for kind, v in profile["by_kind"].items()))
-            for (variant, loop), rows in measured.items():
-                first = rows[0]
-                first["rounds_ms"] = [row["wall_ms_median"] for row in rows]
-                first["wall_ms_median"] = float(np.mean(first["rounds_ms"]))  # the mean of the rounds' medians
-                out[f"{variant}:{loop}:dec{seqs}"] = first
-    finally:
-        for name, fn in originals.items():
-            setattr(executables_module, name, fn)
-    # Greedy decoding: every loop and round of a variant must generate the same tokens. Across
-    # variants only where their arithmetic is the same (cuBLAS and Triton GEMMs round bf16
-    # differently, and random weights leave near-ties), so that is reported, not required.
-    def reference(key, variant):
-        return outputs[f"{variant}:sync:dec{key.split(':dec')[1].split(':')[0]}:r0"]
-
-    out["same_tokens_within_variants"] = all(ids == reference(key, key.split(":")[0]) for key, ids in outputs.items())
-    out["same_tokens_everywhere"] = all(ids == reference(key, variants[0]) for key, ids in outputs.items())
-    log(f"  the same greedy tokens in every loop and round of each variant: {out['same_tokens_within_variants']}; "
-        f"in every variant: {out['same_tokens_everywhere']}")
-    return out
-
-
-def _decode_phase(engine, step, clock, seqs, prompt_len, max_tokens, decode_steps, profiled) -> dict:
-    """``seqs`` requests prefilled, then ``decode_steps`` steps in which all of them decode
-    (checked: ``decoding`` counts the running requests at each timed step), the last
-    ``profiled`` of them under the profiler; then they are aborted and the engine drained."""
-    requests = [engine.add_request([(i * 13 + j) % 1000 + 3 for j in range(prompt_len)],
-                                   SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-                for i in range(seqs)]
-    while any(not r.output_ids for r in requests):
-        step()
-    times, decoding = [], []
-    since = {name: len(values) for name, values in clock.seconds.items()}
-    for _ in range(decode_steps - profiled):
-        decoding.append(sum(not r.finished for r in requests))
-        begin = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - begin)
-    host = clock.medians_ms(since)
-    idle = device_idle(step, profiled) if profiled else {}
-    decoding.append(sum(not r.finished for r in requests))
-    if min(decoding) != seqs:
-        raise RuntimeError(f"only {min(decoding)} of {seqs} sequences decoded in every timed step")
-    first = [r.output_ids[:decode_steps // 2] for r in requests]  # what every loop has generated
-    for r in requests:
-        engine.abort(r)
-    while engine.run_step() is not None:  # the step async scheduling left in flight
-        pass
-    steady = sorted(times[2:])
-    row = {"wall_ms_median": steady[len(steady) // 2] * 1e3, "steps_timed": len(steady), "host_ms": host,
-           "idle": idle, "sequences_decoding": seqs, "output_ids": first}
-    if idle:
-        row["idle_fraction_max"] = max(d["idle_fraction"] for d in idle.values())
-    return row
-
-
-def xla_options() -> dict:
-    """Which of the engine variants' XLA options this XLA accepts: each compiles a small
-    program with it (an unknown option or value fails to compile; on a CPU the GPU options
-    are accepted and ignored)."""
-    x = jnp.ones((256, 256), jnp.float32)
-    lowered = jax.jit(lambda a: jnp.tanh(a @ a).sum()).lower(x)
-    out = {}
-    for variant, options in _VARIANT_OPTIONS.items():
-        try:
-            float(lowered.compile(options)(x))
-            out[variant] = "accepted"
-        except Exception as error:  # noqa: BLE001 - the answer is the error
-            out[variant] = f"{type(error).__name__}: {str(error)[:300]}"
-        log(f"  {variant} {options}: {out[variant]}")
-    return out
-
-
 def summarise(results: dict) -> dict:
     """The issue's ratios from this run's own ceilings ({} when a part or one of the step
     rows they need is missing, as in --smoke, which runs one step of each kind)."""
@@ -772,6 +506,18 @@ def summarise(results: dict) -> dict:
         if isinstance(row, dict) and row.get("span_ms"):
             s[f"host_gap_fraction {key}"] = 1 - row["span_ms"] / row["wall_ms"]
     return s
+
+
+def _engine_loop_module():
+    import engine_loop  # imported on use: it imports this module's helpers
+    return engine_loop
+
+
+def _engine_part(args, attention: str) -> dict:
+    return _engine_loop_module().engine_loop(
+        args.smoke, attention, args.engine_variants.split(","), args.engine_rounds,
+        tuple(int(b) for b in args.engine_seq_buckets.split(",") if b), args.engine_tp, args.engine_model,
+        tuple(int(n) for n in args.engine_seq_counts.split(",") if n))
 
 
 def main() -> int:
@@ -826,12 +572,8 @@ def main() -> int:
                "levers": lambda: levers(args.smoke, attention, profile),
                "dummy": lambda: dummy_load(args.smoke),
                "sp_a2a": lambda: sp_all_to_all(args.smoke, attention, profile),
-               "engine": lambda: engine_loop(args.smoke, attention, args.engine_variants.split(","),
-                                             args.engine_rounds,
-                                             tuple(int(b) for b in args.engine_seq_buckets.split(",") if b),
-                                             args.engine_tp, args.engine_model,
-                                             tuple(int(n) for n in args.engine_seq_counts.split(",") if n)),
-               "xla_options": xla_options}
+               "engine": lambda: _engine_part(args, attention),
+               "xla_options": lambda: _engine_loop_module().xla_options()}
     parts = [p for p in args.parts.split(",") if p]
     if args.smoke and args.parts == PARTS:
         parts = list(runners)  # every code path, the GPU-only variants included
