@@ -10,6 +10,7 @@ import collections
 import contextlib
 import functools
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,8 @@ _VARIANT_OPTIONS = {"command_buffers": COMMAND_BUFFER_OPTIONS,
                     "never_update": {UPDATE_MODE: "NEVER_UPDATE"},
                     "capture_never_update": {UPDATE_MODE: "CAPTURE_CMD_NEVER_UPDATE"},
                     "skip_temp": {UPDATE_MODE: "SKIP_TEMP"}, "skip_profiled": {UPDATE_MODE: "SKIP_PROFILED"}}
+# the engine variants made of others: their options merged, their patches all applied
+_COMBINED_VARIANTS = {"skip_temp_batch": ("skip_temp", "batch_in_temp")}
 
 
 @contextlib.contextmanager
@@ -60,37 +63,32 @@ def _step_variant(variant: str):
     buffers first (``_materialised``); ``skip_temp_batch``: that and ``skip_temp``.
     ``one_row_logits``: the LM head multiplies the sampled rows alone, as before
     ``model.MIN_LOGIT_ROWS`` (patched to 1)."""
+    parts = _COMBINED_VARIANTS.get(variant, (variant,))
     patches = []  # (object, attribute, replacement)
-    options = dict(_VARIANT_OPTIONS.get(variant, {}))
-    if variant == "skip_temp_batch":
-        options.update(_VARIANT_OPTIONS["skip_temp"])
+    options = {name: value for part in parts for name, value in _VARIANT_OPTIONS.get(part, {}).items()}
     if options:
         compile_lowered = jax.stages.Lowered.compile
 
         def compile_with(self, compiler_options=None, **kwargs):
             return compile_lowered(self, {**options, **(compiler_options or {})}, **kwargs)
         patches.append((jax.stages.Lowered, "compile", compile_with))
-    if variant == "in_step_sampler":
+    if "in_step_sampler" in parts:
         make_step = executables_module.make_step
 
         def make_sampling_step(*args, **kwargs):
             return make_step(*args, **{**kwargs, "sample_in_step": True})
         patches.append((executables_module, "make_step", make_sampling_step))
-    if variant in ("batch_in_temp", "skip_temp_batch"):
+    if "batch_in_temp" in parts:
         unpack_batch = executables_module.unpack_batch
         patches.append((executables_module, "unpack_batch", lambda upload: unpack_batch(_materialised(upload))))
-    if variant == "one_row_logits":  # the LM head before 98d9a7a: one row stays one row
+    if "one_row_logits" in parts:  # the LM head before 98d9a7a: one row stays one row
         patches.append((model_module, "MIN_LOGIT_ROWS", 1))
     if not patches and variant != "shipped" and variant not in _VARIANT_GEMM:  # (engine_loop sets gemm)
         raise ValueError(f"unknown engine variant {variant!r}")
-    originals = [(target, name, getattr(target, name)) for target, name, _ in patches]
-    for target, name, replacement in patches:
-        setattr(target, name, replacement)
-    try:
+    with contextlib.ExitStack() as stack:
+        for target, name, replacement in patches:
+            stack.enter_context(mock.patch.object(target, name, replacement))
         yield
-    finally:
-        for target, name, original in originals:
-            setattr(target, name, original)
 
 
 def _materialised(tree):
