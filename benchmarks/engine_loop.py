@@ -46,7 +46,8 @@ _VARIANT_OPTIONS = {"command_buffers": COMMAND_BUFFER_OPTIONS,
                     "capture_never_update": {UPDATE_MODE: "CAPTURE_CMD_NEVER_UPDATE"},
                     "skip_temp": {UPDATE_MODE: "SKIP_TEMP"}, "skip_profiled": {UPDATE_MODE: "SKIP_PROFILED"}}
 # the engine variants made of others: their options merged, their patches all applied
-_COMBINED_VARIANTS = {"skip_temp_batch": ("skip_temp", "batch_in_temp")}
+_COMBINED_VARIANTS = {"skip_temp_batch": ("skip_temp", "batch_in_temp"),
+                      "command_buffers_batch": ("command_buffers", "batch_in_temp")}
 
 
 @contextlib.contextmanager
@@ -60,7 +61,8 @@ def _step_variant(variant: str):
     ``no_command_buffers``: with none. ``never_update``, ``capture_never_update``,
     ``skip_temp``, ``skip_profiled``: XLA's command buffer update modes of those names
     (``UPDATE_MODE``). ``batch_in_temp``: the step copies its batch upload into its own
-    buffers first (``_materialised``); ``skip_temp_batch``: that and ``skip_temp``.
+    buffers first (``_materialised``); ``skip_temp_batch``: that and ``skip_temp``;
+    ``command_buffers_batch``: that and ``command_buffers``.
     ``one_row_logits``: the LM head multiplies the sampled rows alone, as before
     ``model.MIN_LOGIT_ROWS`` (patched to 1)."""
     parts = _COMBINED_VARIANTS.get(variant, (variant,))

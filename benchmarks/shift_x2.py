@@ -530,7 +530,7 @@ def main() -> int:
                              "command_buffers (compiled with "
                              "COMMAND_BUFFER_OPTIONS), no_command_buffers, skip_temp and skip_profiled "
                              "(XLA's command buffer update modes), batch_in_temp (the batch copied into the "
-                             "step's own buffers first), skip_temp_batch (both), one_row_logits (the LM head "
+                             "step's own buffers first), skip_temp_batch and command_buffers_batch (that and the other), one_row_logits (the LM head "
                              "of before MIN_LOGIT_ROWS), in_step_sampler (the steps sample in the step, with "
                              "the conditionals that blocked the host)")
     parser.add_argument("--engine-rounds", type=int, default=2,
