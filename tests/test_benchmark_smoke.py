@@ -39,6 +39,7 @@ SCRIPTS = {"shift_x2.py": (["--smoke", "--engine-variants", "shipped,in_step_sam
            "dummy_start.py": (["--smoke"], "dummy_start.json"),
            "sp_exchange.py": (["--smoke"], "sp_exchange.json"),
            "collective_matmul.py": (["--smoke"], "collective_matmul.json"),
+           "one_shot_all_reduce.py": (["--smoke", "--chain", "4"], "one_shot_all_reduce.json"),
            "command_buffer_log.py": (["--smoke"], "command_buffer_log.json")}
 # restore_gpu.py --smoke runs in tests/test_sharded_restore.py, which checks its phases' results
 SMOKED_ELSEWHERE = {"restore_gpu.py"}
@@ -153,6 +154,9 @@ def test_script_smoke(script, tmp_path):
     assert data, output[-2000:]
     if script == "sp_exchange.py":  # the exchanges change transfers, not the arithmetic
         assert all(data[name]["logits_equal_shipped"] for name in ("permute1", "permute2")), output[-2000:]
+    if script == "one_shot_all_reduce.py":  # (psum alone on the CPU) both devices hold the same sum
+        sums = [row for key, row in data.items() if ":rows" in key and ":chain" not in key]
+        assert len(sums) == 8 and all(row["devices_agree"] and row["repeats_agree"] for row in sums), data
     if script == "shift_x2.py":  # every engine variant decodes the same greedy tokens (same arithmetic)
         assert data["engine"]["same_tokens_everywhere"] is True, output[-2000:]
         assert set(data["xla_options"]) >= {"skip_temp", "no_command_buffers"}, data["xla_options"]
