@@ -22,7 +22,7 @@ from roofline import device_idle
 from shift_x2 import COMMAND_BUFFER_OPTIONS, PAGE, big_config, log, weight_bytes_per_device
 
 from shiftjax import model as model_module
-from shiftjax.layouts.mesh import make_mesh
+from shiftjax.layouts.mesh import SP, TP, make_mesh
 from shiftjax.serving import executables as executables_module
 from shiftjax.serving.engine import Engine, EngineConfig
 from shiftjax.serving.sampling_params import SamplingParams
@@ -64,7 +64,8 @@ def _step_variant(variant: str):
     buffers first (``_materialised``); ``skip_temp_batch``: that and ``skip_temp``;
     ``command_buffers_batch``: that and ``command_buffers``.
     ``one_row_logits``: the LM head multiplies the sampled rows alone, as before
-    ``model.MIN_LOGIT_ROWS`` (patched to 1)."""
+    ``model.MIN_LOGIT_ROWS`` (patched to 1). ``one_shot_all_reduce``: TP mode's sums by
+    shiftjax's one-shot kernel (``kernels/all_reduce.py``; two GPUs)."""
     parts = _COMBINED_VARIANTS.get(variant, (variant,))
     patches = []  # (object, attribute, replacement)
     options = {name: value for part in parts for name, value in _VARIANT_OPTIONS.get(part, {}).items()}
@@ -85,6 +86,10 @@ def _step_variant(variant: str):
         patches.append((executables_module, "unpack_batch", lambda upload: unpack_batch(_materialised(upload))))
     if "one_row_logits" in parts:  # the LM head before 98d9a7a: one row stays one row
         patches.append((model_module, "MIN_LOGIT_ROWS", 1))
+    if "one_shot_all_reduce" in parts:  # TP mode's sums by kernels/one_shot_all_reduce.cu
+        from shiftjax.kernels.all_reduce import all_reduce, setup_one_shot
+        setup_one_shot(jax.devices()[:2])
+        patches.append((model_module, "psum_head_axes", lambda x: all_reduce(x, (SP, TP), "one_shot")))
     if not patches and variant != "shipped" and variant not in _VARIANT_GEMM:  # (engine_loop sets gemm)
         raise ValueError(f"unknown engine variant {variant!r}")
     with contextlib.ExitStack() as stack:

@@ -8,6 +8,8 @@ adds, is one kernel: it may be quicker, and XLA may keep it inside one graph.
 Variants, each on mesh (sp, tp) = (1, 2) and (2, 1), summing over both axes as TP mode does:
 
 - ``psum``: ``lax.psum`` over sp then tp (NCCL), what ships;
+- ``ffi_one_shot``: shiftjax's one-shot kernel (``kernels/one_shot_all_reduce.cu``), an XLA
+  FFI call with its buffers set up once, which XLA may keep inside its CUDA graphs;
 - ``one_shot_blocks``: the kernel, one block per 2048-element chunk, a semaphore pair each;
 - ``one_shot_single``: the kernel, one block looping over the chunks, one semaphore pair.
 
@@ -103,7 +105,14 @@ def one_shot(x, *, per_block: bool):
     return out
 
 
-VARIANTS = {"psum": psum, "one_shot_blocks": functools.partial(one_shot, per_block=True),
+def ffi_one_shot(x):
+    """shiftjax's own kernel (kernels/one_shot_all_reduce.cu, an XLA FFI call)."""
+    from shiftjax.kernels.all_reduce import all_reduce
+    return all_reduce(x, ("sp", "tp"), "one_shot")
+
+
+VARIANTS = {"psum": psum, "ffi_one_shot": ffi_one_shot,
+            "one_shot_blocks": functools.partial(one_shot, per_block=True),
             "one_shot_single": functools.partial(one_shot, per_block=False)}
 
 
@@ -112,11 +121,16 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--chain", type=int, default=64)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)} (psum first)")
     args = parser.parse_args()
     if args.smoke:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", 2)
-    variants = {"psum": psum} if args.smoke else VARIANTS
+    parser_variants = [v for v in args.variants.split(",") if v]
+    variants = {"psum": psum} if args.smoke else {name: VARIANTS[name] for name in parser_variants}
+    if "ffi_one_shot" in variants:
+        from shiftjax.kernels.all_reduce import setup_one_shot
+        setup_one_shot(jax.devices()[:2])
     hidden = 512 if args.smoke else 4096
     options = None if args.smoke else {"xla_gpu_enable_triton_gemm": False}  # --gemm cublas, as serve
     devices = np.asarray(jax.devices()[:2])

@@ -1,0 +1,224 @@
+// A one-shot all-reduce of bf16 over the two GPUs of one process, as an XLA FFI custom call
+// that XLA may record into its CUDA graphs (kCmdBufferCompatible).
+//
+// Why: NCCL's all-reduce of a decode step's 64 KiB costs ~22 us of device time on two H200s
+// (NVLink), and each one splits XLA's CUDA graph of the step, so a TP decode step launches
+// ~66 graphs and ~66 collectives per GPU and is bound by the host
+// (benchmarks/x2_results.md). This kernel is a plain kernel launch on XLA's stream, with
+// buffers set up once per process, so a step can be one graph.
+//
+// Protocol, per call (rank r of 2, its peer p; every block handles one segment):
+//   1. write my segment of x into the peer's receive buffer (slot = call parity) over NVLink;
+//   2. fence, then raise the peer's flag for (slot, block) to this call's number;
+//   3. wait until my own flag for (slot, block) shows the peer's data has arrived;
+//   4. out = bf16(float(x) + float(received)): a + b == b + a, so both GPUs hold the same sum
+//      (and NCCL's, bit for bit, in the measurements).
+// Reuse is safe with two slots: the peer writes slot s of call k + 2 only after my flag of
+// call k + 1, which I raise after my call k (and its reads of slot s) finished.
+// The call number lives on the device (the graph's arguments are frozen); the last block to
+// finish advances it.
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <mutex>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxBlocks = 132;      // at most one block per SM of an H100/H200: all resident
+constexpr int kThreads = 512;
+constexpr int kMaxDevices = 16;      // CUDA ordinals this process may name
+
+struct DeviceState {               // one per participating device, in its memory
+  char* receive = nullptr;         // [2 slots][capacity bytes]
+  uint32_t* flags = nullptr;       // [2 slots][kMaxBlocks]
+  uint32_t* counters = nullptr;    // [0]: calls made, [1]: blocks finished in this call
+};
+
+std::mutex mutex;
+int group[2] = {-1, -1};           // CUDA ordinals of rank 0 and rank 1
+size_t capacity = 0;               // bytes per slot
+DeviceState states[2];
+std::string last_error;
+
+__device__ __forceinline__ uint32_t load_acquire(const uint32_t* address) {
+  uint32_t value;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ void store_release(uint32_t* address, uint32_t value) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
+}
+
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// A peer that never arrives (its step failed, or it runs other code) must not hang the
+// process silently: after this long the kernel traps, and XLA reports a CUDA error.
+constexpr uint64_t kPeerTimeoutNs = 20ull * 1000 * 1000 * 1000;
+
+__global__ void __launch_bounds__(kThreads) one_shot_kernel(
+    const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ out, int64_t n,
+    DeviceState mine, DeviceState peer, size_t slot_bytes) {
+  const uint32_t call = *reinterpret_cast<volatile uint32_t*>(mine.counters);
+  const uint32_t slot = call & 1u;
+  const uint32_t tag = call + 1u;  // flags start at 0: never a live tag
+  // block b owns the 16-byte words [begin, end)
+  const int64_t words = n / 8;
+  const int64_t per_block = (words + gridDim.x - 1) / gridDim.x;
+  const int64_t begin = blockIdx.x * per_block;
+  const int64_t end = begin + per_block < words ? begin + per_block : words;
+
+  const uint4* x_words = reinterpret_cast<const uint4*>(x);
+  uint4* peer_words = reinterpret_cast<uint4*>(peer.receive + slot * slot_bytes);
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) peer_words[i] = x_words[i];
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    store_release(peer.flags + slot * kMaxBlocks + blockIdx.x, tag);
+    const uint64_t began = now_ns();
+    while (load_acquire(mine.flags + slot * kMaxBlocks + blockIdx.x) != tag) {
+      if (now_ns() - began > kPeerTimeoutNs) {
+        printf("shiftjax one-shot all-reduce: the peer GPU did not arrive in 20 s (call %u)\n", call);
+        __trap();
+      }
+    }
+  }
+  __syncthreads();
+
+  const uint4* received = reinterpret_cast<const uint4*>(mine.receive + slot * slot_bytes);
+  uint4* out_words = reinterpret_cast<uint4*>(out);
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    uint4 a = x_words[i], b = received[i], sum;
+    const __nv_bfloat16* av = reinterpret_cast<const __nv_bfloat16*>(&a);
+    const __nv_bfloat16* bv = reinterpret_cast<const __nv_bfloat16*>(&b);
+    __nv_bfloat16* sv = reinterpret_cast<__nv_bfloat16*>(&sum);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) sv[k] = __float2bfloat16_rn(__bfloat162float(av[k]) + __bfloat162float(bv[k]));
+    out_words[i] = sum;
+  }
+
+  // the last block out advances the call number (every block has read it by then)
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(mine.counters + 1, 1u) == gridDim.x - 1) {
+      mine.counters[1] = 0;
+      __threadfence();
+      atomicAdd(mine.counters, 1u);
+    }
+  }
+}
+
+bool set_error(const std::string& message) {
+  last_error = message;
+  return false;
+}
+
+bool check(cudaError_t status, const char* what) {
+  if (status == cudaSuccess) return true;
+  return set_error(std::string(what) + ": " + cudaGetErrorString(status));
+}
+
+ffi::Error all_reduce(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x,
+                      ffi::ResultBuffer<ffi::BF16> out) {
+  int rank = device == group[0] ? 0 : device == group[1] ? 1 : -1;
+  if (rank < 0) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "shiftjax one-shot all-reduce: device " + std::to_string(device) +
+                          " is not in the group set up by shiftjax_all_reduce_setup");
+  }
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  const size_t bytes = static_cast<size_t>(n) * 2;
+  if (n % 8 != 0 || bytes > capacity) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "shiftjax one-shot all-reduce: " + std::to_string(n) +
+                          " elements: need a multiple of 8 and at most " + std::to_string(capacity / 2));
+  }
+  // ~16 KiB per block, at most one block per SM
+  int64_t blocks = (static_cast<int64_t>(bytes) + 16383) / 16384;
+  blocks = blocks < 1 ? 1 : blocks > kMaxBlocks ? kMaxBlocks : blocks;
+  one_shot_kernel<<<static_cast<int>(blocks), kThreads, 0, stream>>>(
+      x.typed_data(), out->typed_data(), n, states[rank], states[1 - rank], capacity);
+  cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) {
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("one-shot all-reduce launch: ") +
+                                                     cudaGetErrorString(status));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ShiftjaxOneShotAllReduce, all_reduce,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+extern "C" {
+
+// Allocates both devices' receive buffers, flags and counters (zeroed) and enables peer
+// access both ways. Call once, before any step that uses the all-reduce runs; a second call
+// with the same group and a capacity no larger is a no-op. Returns 1 on success, else 0 and
+// shiftjax_all_reduce_error() says why.
+int shiftjax_all_reduce_setup(int ordinal0, int ordinal1, unsigned long long slot_bytes) {
+  std::lock_guard<std::mutex> lock(mutex);
+  if (ordinal0 < 0 || ordinal1 < 0 || ordinal0 >= kMaxDevices || ordinal1 >= kMaxDevices ||
+      ordinal0 == ordinal1) {
+    return set_error("two distinct CUDA ordinals are needed");
+  }
+  if (capacity != 0) {
+    if (group[0] == ordinal0 && group[1] == ordinal1 && slot_bytes <= capacity) return 1;
+    return set_error("already set up for another group or a smaller capacity");
+  }
+  int previous = 0;
+  if (!check(cudaGetDevice(&previous), "cudaGetDevice")) return 0;
+  const int ordinals[2] = {ordinal0, ordinal1};
+  slot_bytes = (slot_bytes + 15) / 16 * 16;
+  for (int rank = 0; rank < 2; ++rank) {
+    DeviceState& state = states[rank];
+    if (!check(cudaSetDevice(ordinals[rank]), "cudaSetDevice") ||
+        !check(cudaMalloc(&state.receive, 2 * slot_bytes), "cudaMalloc (receive)") ||
+        !check(cudaMalloc(&state.flags, 2 * kMaxBlocks * sizeof(uint32_t)), "cudaMalloc (flags)") ||
+        !check(cudaMalloc(&state.counters, 2 * sizeof(uint32_t)), "cudaMalloc (counters)") ||
+        !check(cudaMemset(state.flags, 0, 2 * kMaxBlocks * sizeof(uint32_t)), "cudaMemset") ||
+        !check(cudaMemset(state.counters, 0, 2 * sizeof(uint32_t)), "cudaMemset")) {
+      return 0;
+    }
+    int can_access = 0;
+    if (!check(cudaDeviceCanAccessPeer(&can_access, ordinals[rank], ordinals[1 - rank]), "cudaDeviceCanAccessPeer")) {
+      return 0;
+    }
+    if (!can_access) return set_error("the two GPUs cannot access each other's memory (no P2P)");
+    cudaError_t status = cudaDeviceEnablePeerAccess(ordinals[1 - rank], 0);
+    if (status == cudaErrorPeerAccessAlreadyEnabled) {
+      cudaGetLastError();  // clear it: already enabled (by XLA or NCCL) is what we want
+    } else if (!check(status, "cudaDeviceEnablePeerAccess")) {
+      return 0;
+    }
+    if (!check(cudaDeviceSynchronize(), "cudaDeviceSynchronize")) return 0;
+  }
+  cudaSetDevice(previous);
+  group[0] = ordinal0;
+  group[1] = ordinal1;
+  capacity = slot_bytes;
+  return 1;
+}
+
+const char* shiftjax_all_reduce_error() { return last_error.c_str(); }
+
+}  // extern "C"
