@@ -150,7 +150,8 @@ ffi::Error all_reduce(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16
   int64_t blocks = (static_cast<int64_t>(bytes) + 16383) / 16384;
   blocks = blocks < 1 ? 1 : blocks > kMaxBlocks ? kMaxBlocks : blocks;
   one_shot_kernel<<<static_cast<int>(blocks), kThreads, 0, stream>>>(
-      x.typed_data(), out->typed_data(), n, states[rank], states[1 - rank], capacity);
+      reinterpret_cast<const __nv_bfloat16*>(x.typed_data()),
+      reinterpret_cast<__nv_bfloat16*>(out->typed_data()), n, states[rank], states[1 - rank], capacity);
   cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess) {
     return ffi::Error(ffi::ErrorCode::kInternal, std::string("one-shot all-reduce launch: ") +
