@@ -22,15 +22,16 @@ from roofline import device_idle
 from shift_x2 import COMMAND_BUFFER_OPTIONS, PAGE, big_config, log, weight_bytes_per_device
 
 from shiftjax import model as model_module
-from shiftjax.layouts.mesh import SP, TP, make_mesh
+from shiftjax.layouts.mesh import make_mesh
 from shiftjax.serving import executables as executables_module
 from shiftjax.serving.engine import Engine, EngineConfig
 from shiftjax.serving.sampling_params import SamplingParams
 from shiftjax.weights import shard_params
 
 
-# the engine variants that set EngineConfig.gemm (engine_loop); the others keep the default
+# the engine variants that set EngineConfig.gemm / .all_reduce (engine_loop); the others keep the default
 _VARIANT_GEMM = {"cublas": "cublas", "triton": "triton", "triton_small_graphs": "triton"}
+_VARIANT_ALL_REDUCE = {"one_shot_all_reduce": "one_shot"}
 # XLA's command buffers (CUDA graphs) re-record every command that reads or writes an
 # allocation whose address changed since the last run (an argument, an output, the temporary
 # buffer); these modes give some of them stable addresses (JAX 0.11.2's XLA: see the
@@ -65,7 +66,7 @@ def _step_variant(variant: str):
     ``command_buffers_batch``: that and ``command_buffers``.
     ``one_row_logits``: the LM head multiplies the sampled rows alone, as before
     ``model.MIN_LOGIT_ROWS`` (patched to 1). ``one_shot_all_reduce``: TP mode's sums by
-    shiftjax's one-shot kernel (``kernels/all_reduce.py``; two GPUs)."""
+    shiftjax's one-shot kernel (``EngineConfig.all_reduce``; two GPUs)."""
     parts = _COMBINED_VARIANTS.get(variant, (variant,))
     patches = []  # (object, attribute, replacement)
     options = {name: value for part in parts for name, value in _VARIANT_OPTIONS.get(part, {}).items()}
@@ -86,11 +87,8 @@ def _step_variant(variant: str):
         patches.append((executables_module, "unpack_batch", lambda upload: unpack_batch(_materialised(upload))))
     if "one_row_logits" in parts:  # the LM head before 98d9a7a: one row stays one row
         patches.append((model_module, "MIN_LOGIT_ROWS", 1))
-    if "one_shot_all_reduce" in parts:  # TP mode's sums by kernels/one_shot_all_reduce.cu
-        from shiftjax.kernels.all_reduce import all_reduce, setup_one_shot
-        setup_one_shot(jax.devices()[:2])
-        patches.append((model_module, "psum_head_axes", lambda x: all_reduce(x, (SP, TP), "one_shot")))
-    if not patches and variant != "shipped" and variant not in _VARIANT_GEMM:  # (engine_loop sets gemm)
+    if not patches and variant != "shipped" and variant not in _VARIANT_GEMM and variant not in _VARIANT_ALL_REDUCE:
+        # (engine_loop sets gemm and all_reduce)
         raise ValueError(f"unknown engine variant {variant!r}")
     with contextlib.ExitStack() as stack:
         for target, name, replacement in patches:
@@ -180,7 +178,8 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
             max_model_len=max_model_len, max_num_seqs=most, num_pages=most * -(-max_model_len // PAGE) + 1,
             max_num_batched_tokens=prefill_budget, token_buckets=(64, prefill_budget),
             seq_buckets=seq_buckets or seq_counts, mode="tp", attention=attention, layer_loop="unrolled",
-            gemm=_VARIANT_GEMM.get(variant, EngineConfig.gemm))
+            gemm=_VARIANT_GEMM.get(variant, EngineConfig.gemm),
+            all_reduce=_VARIANT_ALL_REDUCE.get(variant, EngineConfig.all_reduce))
         try:
             engine = _variant_engine(variant, weights, engine_config)
         except Exception as error:  # noqa: BLE001 - an XLA without the variant's option: the others still run

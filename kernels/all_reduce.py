@@ -54,14 +54,16 @@ def psum_reference(x: Float[Array, "*shape"], axes: tuple[str, ...]) -> Float[Ar
 def all_reduce(x: Float[Array, "*shape"], axes: tuple[str, ...], implementation: str = "xla",
                capacity_bytes: int = DEFAULT_CAPACITY_BYTES) -> Float[Array, "*shape"]:
     """``x`` summed over the mesh ``axes`` (inside ``shard_map``) by ``implementation``.
-    ``one_shot`` applies where the sum spans two devices in all, ``x`` is bf16 in whole
+    ``one_shot`` applies where the sum spans the mesh's two devices, ``x`` is bf16 in whole
     16-byte words and fits ``capacity_bytes`` (the receive buffer ``setup_one_shot`` made);
     elsewhere, and for ``xla``, ``psum_reference``."""
     if implementation not in ALL_REDUCES:
         raise ValueError(f"all_reduce must be one of {ALL_REDUCES}, got {implementation!r}")
-    devices = int(np.prod([lax.axis_size(axis) for axis in axes]))
+    group = int(np.prod([lax.axis_size(axis) for axis in axes]))
+    # the kernel's group is the two GPUs set up: the whole mesh, not two of a larger one
+    mesh_size = jax.sharding.get_abstract_mesh().size
     fits = x.dtype == jax.numpy.bfloat16 and x.size % 8 == 0 and 2 * x.size <= capacity_bytes
-    if implementation == "xla" or devices != 2 or not fits:
+    if implementation == "xla" or group != 2 or mesh_size != 2 or not fits:
         return psum_reference(x, axes)
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
 
@@ -96,6 +98,13 @@ def _load(device, cache_dir: str | None) -> ctypes.CDLL:
     return library
 
 
+def _default_cache_dir() -> Path:
+    """``<repo>/.cache/shiftjax/kernels`` from a source tree, else under the current
+    directory: beside the compilation cache (``serving.engine_args``)."""
+    repo = Path(__file__).resolve().parents[1]
+    return (repo if (repo / "pyproject.toml").is_file() else Path.cwd()) / ".cache" / "shiftjax" / "kernels"
+
+
 def _compiled(device, cache_dir: str | None) -> Path:
     """The kernel's shared library for ``device``'s architecture, compiled if not cached."""
     nvcc = next((found for name in _NVCC_CANDIDATES if (found := shutil.which(name))), None)
@@ -107,7 +116,7 @@ def _compiled(device, cache_dir: str | None) -> Path:
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + arch.encode()
                          + jax.ffi.include_dir().encode()).hexdigest()[:16]
-    folder = Path(cache_dir or Path.home() / ".cache" / "shiftjax" / "kernels")
+    folder = Path(cache_dir or _default_cache_dir())
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"one_shot_all_reduce_{arch}_{key}.so"
     if path.exists():

@@ -27,6 +27,7 @@ from pathlib import Path
 import jax
 
 from shiftjax.cache import CacheConfig, allocate_cache
+from shiftjax.kernels.all_reduce import ALL_REDUCES, DEFAULT_CAPACITY_BYTES, setup_one_shot
 from shiftjax.serving import executables as exe
 from shiftjax.serving import page_pool
 from shiftjax.serving.executable_store import ExecutableStore
@@ -58,6 +59,11 @@ class EngineConfig:
     # on the H200 cuBLAS compiles ~15x faster (and concurrently) and prefills 4-7% faster;
     # Triton decoded one sequence 1.07-1.09x faster (in a bucket of 1, which the default ladder lacks)
     gemm: str = "cublas"
+    # xla | one_shot: who sums TP mode's partials over the devices (kernels/all_reduce.py):
+    # XLA's psum (NCCL), or on a mesh of two GPUs shiftjax's one-shot kernel, which XLA keeps
+    # inside its CUDA graphs (2x H200, Llama-3.1-8B shape, TP decode: 1.12-1.15x faster in the
+    # engine's loop; benchmarks/x2_results.md, "A one-shot all-reduce in the graph")
+    all_reduce: str = "xla"
     # executables compiled at once at start-up (default: executables.compile_workers)
     compile_workers: int | None = None
     cache_dtype: str | None = None  # default: the weights' dtype
@@ -79,6 +85,8 @@ class EngineConfig:
             raise ValueError(f"layer_loop must be scan, unrolled or auto, got {self.layer_loop!r}")
         if self.gemm not in exe.GEMM_BACKENDS:
             raise ValueError(f"gemm must be one of {', '.join(exe.GEMM_BACKENDS)}, got {self.gemm!r}")
+        if self.all_reduce not in ALL_REDUCES:
+            raise ValueError(f"all_reduce must be one of {', '.join(ALL_REDUCES)}, got {self.all_reduce!r}")
         if self.compile_workers is not None and self.compile_workers < 1:
             raise ValueError(f"compile_workers must be at least 1, got {self.compile_workers}")
         if self.num_pages is not None and self.num_pages < 2:
@@ -178,7 +186,8 @@ class Engine:
         dtype = config.cache_dtype or str(weights.tp.embed.dtype)
         # The steps pack greedy tokens and return logits; self.samplers samples where a row asks.
         compile_options = dict(max_pages=max_pages, attention=config.attention, layer_loop=layer_loop, gemm=config.gemm,
-                               max_top_logprobs=config.max_top_logprobs, sample_in_step=False)
+                               max_top_logprobs=config.max_top_logprobs, sample_in_step=False,
+                               all_reduce=config.all_reduce)
         # Seconds per start-up phase, for the log and ServerInfo: a slow start says where it went.
         self.startup_seconds: dict[str, float] = {}
         store = None
@@ -186,6 +195,13 @@ class Engine:
             report("executable store off: a multi-process mesh would need one writer and agreed hits")
         elif config.executable_store:
             store = ExecutableStore(Path(config.executable_store))
+        if config.all_reduce == "one_shot":  # its buffers, before any step is compiled or loaded
+            if weights.mesh.size != 2:
+                raise ValueError(f"all_reduce one_shot sums over two GPUs; this mesh has {weights.mesh.size} devices")
+            with self._phase("all_reduce"):
+                setup_one_shot(weights.mesh.devices.flat)
+            report(f"one-shot all-reduce ready: {DEFAULT_CAPACITY_BYTES // 2**20} MiB per receive slot "
+                   f"(larger sums take XLA's psum)")
         with self._phase("kv_cache"):  # sizing the page pool, then the cache and its fill
             self.page_pool = page_pool.size_pool(
                 num_pages=config.num_pages, kv_memory_fraction=config.kv_memory_fraction,

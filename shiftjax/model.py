@@ -23,6 +23,7 @@ from jaxtyping import Array, Float, Int
 
 from shiftjax.batch import StepBatch
 from shiftjax.kernels import AttentionMetadata, ragged_paged_attention, write_kv_cache
+from shiftjax.kernels.all_reduce import all_reduce, psum_reference
 from shiftjax.layouts.mesh import HEAD_AXES, SP, TP
 from shiftjax.weights import LayerWeights, LocalDims
 
@@ -47,20 +48,23 @@ def apply_rope(
     return x * cos + rotated * sin
 
 
-def psum_head_axes(x):
-    """The TP-mode all-reduce, over ``sp`` first so it adds what SP mode adds locally."""
-    return lax.psum(lax.psum(x, SP), TP)
+def psum_head_axes(x, implementation: str = "xla"):
+    """The TP-mode all-reduce, over ``sp`` first so it adds what SP mode adds locally;
+    ``implementation``: ``kernels.all_reduce``'s (``xla`` or, on two GPUs, ``one_shot``)."""
+    return all_reduce(x, (SP, TP), implementation)
 
 
 class Context:
     """Static facts and per-step inputs that every layer of one step reads."""
 
-    def __init__(self, dims: LocalDims, eps: float, inv_freq, batch: StepBatch, attention: str):
+    def __init__(self, dims: LocalDims, eps: float, inv_freq, batch: StepBatch, attention: str,
+                 all_reduce: str = "xla"):
         self.dims = dims
         self.eps = eps
         self.inv_freq = inv_freq
         self.batch = batch
         self.attention = attention
+        self.all_reduce = all_reduce  # kernels.all_reduce.ALL_REDUCES: who sums the layers' partials
 
     @property
     def metadata(self) -> AttentionMetadata:
@@ -105,11 +109,11 @@ def tp_layer(x, w: LayerWeights, k_cache, v_cache, layer, ctx: Context):
     h = rms_norm(x, w.attn_norm, ctx.eps)
     qkv = h @ w.wqkv[0]
     attn, k_cache, v_cache = attention_core(qkv, w.bqkv, k_cache, v_cache, layer, ctx)
-    x = x + psum_head_axes(attn @ w.wo[0])
+    x = x + psum_head_axes(attn @ w.wo[0], ctx.all_reduce)
     h = rms_norm(x, w.mlp_norm, ctx.eps)
     gate_up = h @ w.w_gate_up[0]
     act = _swiglu(gate_up, ctx.dims.ffn)
-    x = x + psum_head_axes(act @ w.w_down[0])
+    x = x + psum_head_axes(act @ w.w_down[0], ctx.all_reduce)
     return x, k_cache, v_cache
 
 
@@ -126,11 +130,11 @@ def sp_layer(x, w: LayerWeights, k_cache, v_cache, layer, ctx: Context):
     attn = attn.reshape(dims.sp, local_tokens, -1)
     attn = lax.all_to_all(attn, SP, split_axis=0, concat_axis=0, tiled=True)
     attn = jnp.swapaxes(attn, 0, 1)  # [local_tokens, sp, q_width]
-    x = x + lax.psum(_row_blocks(attn, w.wo), TP)
+    x = x + all_reduce(_row_blocks(attn, w.wo), (TP,), ctx.all_reduce)
     h = rms_norm(x, w.mlp_norm, ctx.eps)
     gate_up = _column_blocks(h, w.w_gate_up, dims.sp)
     act = _swiglu(gate_up, dims.ffn)
-    x = x + lax.psum(_row_blocks(act, w.w_down), TP)
+    x = x + all_reduce(_row_blocks(act, w.w_down), (TP,), ctx.all_reduce)
     return x, k_cache, v_cache
 
 
@@ -166,7 +170,8 @@ def embed_tokens(token_ids, embed, dims: LocalDims):
     local = token_ids - block * dims.vocab
     mine = (local >= 0) & (local < dims.vocab)
     rows = jnp.take(embed, jnp.clip(local, 0, dims.vocab - 1), axis=0)
-    return psum_head_axes(jnp.where(mine[:, None], rows, jnp.zeros((), embed.dtype)))
+    # once a step: XLA's psum, whatever sums the layers
+    return psum_reference(jnp.where(mine[:, None], rows, jnp.zeros((), embed.dtype)), (SP, TP))
 
 
 # The LM head multiplies at least this many rows. XLA on GPUs makes a one-row bf16 product

@@ -20,6 +20,7 @@ from jax import lax
 from shiftjax.batch import StepBatch
 from shiftjax.cache import KVCache
 from shiftjax.config import rope_inverse_frequencies
+from shiftjax.kernels.all_reduce import ALL_REDUCES
 from shiftjax.layouts.mesh import SP
 from shiftjax.layouts.specs import CACHE_SPEC, REPLICATED
 from shiftjax.model import (
@@ -52,7 +53,8 @@ LAYER_LOOPS = ("scan", "unrolled")
 
 
 def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", layer_loop: str = "scan",
-              return_logits: bool = False, max_top_logprobs: int = 0, sample_in_step: bool = True):
+              return_logits: bool = False, max_top_logprobs: int = 0, sample_in_step: bool = True,
+              all_reduce: str = "xla"):
     """The jitted step of ``mode`` for these weights; caches (argument 1) are donated.
 
     ``max_top_logprobs``: how many alternatives per sampled token the step can return
@@ -60,6 +62,9 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", lay
 
     ``layer_loop``: ``"scan"`` (compile time flat in depth) or ``"unrolled"`` (faster on
     GPUs, where the scan copies each layer's weights; see ``model.run_layers``).
+
+    ``all_reduce``: who sums the layers' partials over devices (``kernels.all_reduce``):
+    ``xla`` (``psum``) or ``one_shot`` (two GPUs; ``setup_one_shot`` must have run).
 
     ``sample_in_step=False``: every row gets its most likely token (the alternatives'
     columns zero) and the logits are returned, so that the engine samples separately, and
@@ -75,6 +80,8 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", lay
         raise ValueError(f"max_top_logprobs must be in [0, vocab_size], got {max_top_logprobs}")
     if layer_loop not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
+    if all_reduce not in ALL_REDUCES:
+        raise ValueError(f"all_reduce must be one of {ALL_REDUCES}, got {all_reduce!r}")
     config, dims, mesh = weights.config, weights.dims, weights.mesh
     inv_freq = tuple(rope_inverse_frequencies(config))
     layer_fn = tp_layer if mode == "tp" else sp_layer
@@ -85,7 +92,7 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", lay
 
     def local_step(param_leaves, k_cache, v_cache, batch: StepBatch):
         params: ShardedParams = param_tree.unflatten(param_leaves)
-        ctx = Context(dims, config.rms_norm_eps, jnp.asarray(inv_freq, jnp.float32), batch, attention)
+        ctx = Context(dims, config.rms_norm_eps, jnp.asarray(inv_freq, jnp.float32), batch, attention, all_reduce)
         x = embed_tokens(batch.token_ids, params.embed, dims)
         if mode == "sp":
             local_tokens = x.shape[0] // dims.sp

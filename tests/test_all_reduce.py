@@ -1,0 +1,132 @@
+"""Who sums TP mode's partials (kernels/all_reduce.py), on the CPU mesh: ``xla`` is the sum
+over the devices; ``one_shot`` becomes the kernel's custom call exactly where it applies
+(two devices in all, bf16 in whole 16-byte words, within the receive buffer) and XLA's
+psum elsewhere; the option reaches every layer of both modes' steps, the engine's keys and
+the CLI; and a mesh it cannot serve is refused with the reason. The kernel itself runs on
+two GPUs only: tests/test_all_reduce_gpu.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shiftjax.config import ModelConfig
+from shiftjax.kernels.all_reduce import DEFAULT_CAPACITY_BYTES, TARGET, all_reduce, setup_one_shot
+from shiftjax.layouts.mesh import SP, TP, make_mesh
+from shiftjax.params import random_params
+from shiftjax.serving.engine import Engine, EngineConfig
+from shiftjax.steps import make_step
+from shiftjax.weights import shard_params
+
+AXES = (SP, TP)
+CONFIG = ModelConfig(architecture="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
+                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128,
+                     eos_token_ids=(2,))
+
+
+def _summed(mesh, implementation, x, axes=AXES):
+    """``all_reduce`` of each device's own block of ``x`` (split over every mesh axis)."""
+    spec = P(tuple(mesh.axis_names))
+    fn = jax.jit(jax.shard_map(lambda block: all_reduce(block, axes, implementation), mesh=mesh,
+                               in_specs=spec, out_specs=spec, check_vma=False))
+    return fn, jax.device_put(x, NamedSharding(mesh, spec))
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (2, 1), (2, 2)])
+def test_xla_sums_every_devices_block(shape):
+    mesh = make_mesh(*shape, jax.devices()[:shape[0] * shape[1]])
+    blocks = np.random.default_rng(0).standard_normal((mesh.size, 3, 8)).astype(np.float32)
+    fn, x = _summed(mesh, "xla", blocks.reshape(mesh.size * 3, 8))
+    got = np.asarray(fn(x)).reshape(mesh.size, 3, 8)
+    for device in range(mesh.size):  # every device holds the sum of all blocks
+        np.testing.assert_allclose(got[device], blocks.sum(axis=0), rtol=1e-6, atol=1e-6)
+
+
+def _lowered_text(shape, dtype, rows, hidden=64, axes=AXES):
+    mesh = make_mesh(*shape, jax.devices()[:shape[0] * shape[1]])
+    fn, x = _summed(mesh, "one_shot", np.zeros((mesh.size * rows, hidden)).astype(dtype), axes)
+    return fn.lower(x).as_text()
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (2, 1)])
+def test_one_shot_is_the_kernel_on_two_devices(shape):
+    text = _lowered_text(shape, jnp.bfloat16, rows=8)
+    assert TARGET in text and "all_reduce" not in text.replace(TARGET, "")
+
+
+@pytest.mark.parametrize("case", [
+    dict(shape=(2, 2), dtype=jnp.bfloat16, rows=8),  # four devices: NCCL's psum
+    dict(shape=(1, 2), dtype=jnp.float32, rows=8),  # not bf16
+    dict(shape=(1, 2), dtype=jnp.bfloat16, rows=1, hidden=12),  # 12 elements: not whole 16-byte words
+    dict(shape=(1, 2), dtype=jnp.bfloat16, rows=DEFAULT_CAPACITY_BYTES // 2 // 64 + 1),  # over the buffer
+    dict(shape=(2, 2), dtype=jnp.bfloat16, rows=8, axes=(TP,)),  # two devices per group, four in all
+])
+def test_one_shot_falls_back_to_psum_where_it_does_not_apply(case):
+    text = _lowered_text(**case)
+    assert TARGET not in text and "all_reduce" in text
+
+
+@pytest.mark.parametrize("mode", ["tp", "sp"])
+def test_steps_sum_every_layer_by_the_kernel(mode):
+    """Two GEMM partials a layer (attention out, MLP down) go through the kernel, in both
+    modes over the (1, 2) mesh (SP mode's sums are over tp there); the embedding's one sum
+    a step stays XLA's."""
+    config = CONFIG
+    weights = shard_params(random_params(config, seed=1, scale=0.3, dtype=jnp.bfloat16), config,
+                           make_mesh(1, 2, jax.devices()[:2]))
+    from shiftjax.serving import executables as exe  # the engine's lowering of a bucket
+
+    lowered = exe._lower_steps(weights, _abstract_caches(weights), [(mode, 8, 4)], result_rows=4, max_pages=4,
+                               attention="reference", layer_loop="unrolled", max_top_logprobs=0,
+                               sample_in_step=False, all_reduce="one_shot")
+    text = lowered[(mode, 8, 4)].as_text()
+    # the layer is lowered once and called for every layer (model.run_layers): its two sums
+    assert text.count(f"custom_call @{TARGET}") == 2, text.count(TARGET)
+    assert text.count("call @layer") + text.count("call @jit_layer") >= config.num_layers
+
+
+def _abstract_caches(weights):
+    from shiftjax.serving.page_pool import abstract_cache
+
+    return abstract_cache(weights.mesh, CONFIG.num_layers, weights.layout.kv_slots, CONFIG.head_dim, 4, "bfloat16")
+
+
+def test_make_step_refuses_an_unknown_all_reduce():
+    weights = shard_params(random_params(CONFIG, seed=1, scale=0.3), CONFIG, make_mesh(1, 2, jax.devices()[:2]))
+    with pytest.raises(ValueError, match="all_reduce must be one of"):
+        make_step(weights, "tp", all_reduce="nccl")
+
+
+def test_engine_config_refuses_an_unknown_all_reduce():
+    with pytest.raises(ValueError, match="all_reduce must be one of xla, one_shot"):
+        EngineConfig(all_reduce="nccl")
+
+
+def test_one_shot_needs_two_gpus():
+    weights = shard_params(random_params(CONFIG, seed=1, scale=0.3), CONFIG, make_mesh(2, 2))
+    options = dict(max_model_len=32, page_size=4, num_pages=16, max_num_seqs=2, max_num_batched_tokens=8,
+                   token_buckets=(8,), seq_buckets=(2,), attention="reference", all_reduce="one_shot")
+    with pytest.raises(ValueError, match="two GPUs; this mesh has 4 devices"):
+        Engine(weights, EngineConfig(**options))
+    two_cpus = shard_params(random_params(CONFIG, seed=1, scale=0.3), CONFIG, make_mesh(1, 2, jax.devices()[:2]))
+    with pytest.raises(RuntimeError, match="needs two CUDA devices"):
+        Engine(two_cpus, EngineConfig(**options))
+    with pytest.raises(RuntimeError, match="needs two CUDA devices"):
+        setup_one_shot(jax.devices()[:2])
+
+
+def test_cli_option_reaches_the_engine_config():
+    import argparse
+
+    from shiftjax.serving.engine_args import add_engine_arguments, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_options(parser.parse_args(["--all-reduce", "one_shot"]))["all_reduce"] == "one_shot"
+    assert engine_options(parser.parse_args([]))["all_reduce"] == "xla"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--all-reduce", "nccl"])
