@@ -31,7 +31,7 @@ from shiftjax.weights import shard_params
 
 # the engine variants that set EngineConfig.gemm / .all_reduce (engine_loop); the others keep the default
 _VARIANT_GEMM = {"cublas": "cublas", "triton": "triton", "triton_small_graphs": "triton"}
-_VARIANT_ALL_REDUCE = {"one_shot_all_reduce": "one_shot"}
+_VARIANT_ALL_REDUCE = {"one_shot_all_reduce": "one_shot", "xla_all_reduce": "xla"}
 # XLA's command buffers (CUDA graphs) re-record every command that reads or writes an
 # allocation whose address changed since the last run (an argument, an output, the temporary
 # buffer); these modes give some of them stable addresses (JAX 0.11.2's XLA: see the
@@ -65,8 +65,9 @@ def _step_variant(variant: str):
     buffers first (``_materialised``); ``skip_temp_batch``: that and ``skip_temp``;
     ``command_buffers_batch``: that and ``command_buffers``.
     ``one_row_logits``: the LM head multiplies the sampled rows alone, as before
-    ``model.MIN_LOGIT_ROWS`` (patched to 1). ``one_shot_all_reduce``: TP mode's sums by
-    shiftjax's one-shot kernel (``EngineConfig.all_reduce``; two GPUs)."""
+    ``model.MIN_LOGIT_ROWS`` (patched to 1). ``one_shot_all_reduce`` / ``xla_all_reduce``:
+    TP mode's sums by shiftjax's one-shot kernel (two GPUs) / by XLA's psum
+    (``EngineConfig.all_reduce``; ``shipped`` takes its default, ``auto``)."""
     parts = _COMBINED_VARIANTS.get(variant, (variant,))
     patches = []  # (object, attribute, replacement)
     options = {name: value for part in parts for name, value in _VARIANT_OPTIONS.get(part, {}).items()}

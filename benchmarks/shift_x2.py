@@ -531,7 +531,7 @@ def main() -> int:
                              "COMMAND_BUFFER_OPTIONS), no_command_buffers, skip_temp and skip_profiled "
                              "(XLA's command buffer update modes), batch_in_temp (the batch copied into the "
                              "step's own buffers first), skip_temp_batch and command_buffers_batch (that and the other), one_row_logits (the LM head "
-                             "of before MIN_LOGIT_ROWS), in_step_sampler (the steps sample in the step, with "
+                             "of before MIN_LOGIT_ROWS), one_shot_all_reduce and xla_all_reduce (EngineConfig.all_reduce), in_step_sampler (the steps sample in the step, with "
                              "the conditionals that blocked the host)")
     parser.add_argument("--engine-rounds", type=int, default=2,
                         help="times the engine part measures every (variant, loop), in alternating order")

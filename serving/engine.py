@@ -59,11 +59,12 @@ class EngineConfig:
     # on the H200 cuBLAS compiles ~15x faster (and concurrently) and prefills 4-7% faster;
     # Triton decoded one sequence 1.07-1.09x faster (in a bucket of 1, which the default ladder lacks)
     gemm: str = "cublas"
-    # xla | one_shot: who sums TP mode's partials over the devices (kernels/all_reduce.py):
+    # auto | xla | one_shot: who sums TP mode's partials over the devices (kernels/all_reduce.py):
     # XLA's psum (NCCL), or on a mesh of two GPUs shiftjax's one-shot kernel, which XLA keeps
-    # inside its CUDA graphs (2x H200, Llama-3.1-8B shape, TP decode: 1.12-1.15x faster in the
-    # engine's loop; benchmarks/x2_results.md, "A one-shot all-reduce in the graph")
-    all_reduce: str = "xla"
+    # inside its CUDA graphs (2x H200, Llama-3.1-8B shape, served TP decode 1.03-1.11x faster,
+    # the same sums bit for bit; benchmarks/x2_results.md, "A one-shot all-reduce in the
+    # graph"). auto: one_shot where the mesh is two GPUs and the kernel builds, else xla.
+    all_reduce: str = "auto"
     # executables compiled at once at start-up (default: executables.compile_workers)
     compile_workers: int | None = None
     cache_dtype: str | None = None  # default: the weights' dtype
@@ -85,8 +86,8 @@ class EngineConfig:
             raise ValueError(f"layer_loop must be scan, unrolled or auto, got {self.layer_loop!r}")
         if self.gemm not in exe.GEMM_BACKENDS:
             raise ValueError(f"gemm must be one of {', '.join(exe.GEMM_BACKENDS)}, got {self.gemm!r}")
-        if self.all_reduce not in ALL_REDUCES:
-            raise ValueError(f"all_reduce must be one of {', '.join(ALL_REDUCES)}, got {self.all_reduce!r}")
+        if self.all_reduce not in ("auto", *ALL_REDUCES):
+            raise ValueError(f"all_reduce must be one of auto, {', '.join(ALL_REDUCES)}, got {self.all_reduce!r}")
         if self.compile_workers is not None and self.compile_workers < 1:
             raise ValueError(f"compile_workers must be at least 1, got {self.compile_workers}")
         if self.num_pages is not None and self.num_pages < 2:
@@ -103,6 +104,29 @@ class EngineConfig:
         slot can reach max_model_len."""
         per_seq = -(-self.max_model_len // self.page_size)
         return self.num_pages or self.max_num_seqs * per_seq + 1
+
+
+def _choose_all_reduce(asked: str, mesh, report: Callable[[str], None], phase) -> str:
+    """``xla`` or ``one_shot`` for ``EngineConfig.all_reduce`` on this mesh, the one-shot
+    kernel set up where chosen. Asked for by name, it must work (ValueError / RuntimeError
+    saying why not); ``auto`` takes it on a mesh of two GPUs where it builds, reporting why
+    where it does not (the sums are the same either way)."""
+    two_gpus = mesh.size == 2 and all(d.platform == "gpu" for d in mesh.devices.flat)
+    if asked == "xla" or (asked == "auto" and not two_gpus):
+        return "xla"
+    if asked == "one_shot" and mesh.size != 2:
+        raise ValueError(f"all_reduce one_shot sums over two GPUs; this mesh has {mesh.size} devices")
+    try:
+        with phase("all_reduce"):
+            setup_one_shot(mesh.devices.flat)
+    except RuntimeError as error:
+        if asked == "one_shot":
+            raise
+        report(f"TP sums by XLA's psum: the one-shot all-reduce is unavailable ({error})")
+        return "xla"
+    report(f"TP sums by the one-shot all-reduce ({DEFAULT_CAPACITY_BYTES // 2**20} MiB per receive slot; "
+           f"larger sums by XLA's psum)")
+    return "one_shot"
 
 
 class StepFailed(RuntimeError):
@@ -184,24 +208,19 @@ class Engine:
         if layer_loop == "auto":
             layer_loop = "unrolled" if jax.default_backend() == "gpu" else "scan"
         dtype = config.cache_dtype or str(weights.tp.embed.dtype)
+        # Seconds per start-up phase, for the log and ServerInfo: a slow start says where it went.
+        self.startup_seconds: dict[str, float] = {}
+        # before any step is compiled or loaded: the one-shot kernel's buffers and FFI target
+        self.all_reduce = _choose_all_reduce(config.all_reduce, weights.mesh, report, self._phase)
         # The steps pack greedy tokens and return logits; self.samplers samples where a row asks.
         compile_options = dict(max_pages=max_pages, attention=config.attention, layer_loop=layer_loop, gemm=config.gemm,
                                max_top_logprobs=config.max_top_logprobs, sample_in_step=False,
-                               all_reduce=config.all_reduce)
-        # Seconds per start-up phase, for the log and ServerInfo: a slow start says where it went.
-        self.startup_seconds: dict[str, float] = {}
+                               all_reduce=self.all_reduce)
         store = None
         if config.executable_store and jax.process_count() > 1:
             report("executable store off: a multi-process mesh would need one writer and agreed hits")
         elif config.executable_store:
             store = ExecutableStore(Path(config.executable_store))
-        if config.all_reduce == "one_shot":  # its buffers, before any step is compiled or loaded
-            if weights.mesh.size != 2:
-                raise ValueError(f"all_reduce one_shot sums over two GPUs; this mesh has {weights.mesh.size} devices")
-            with self._phase("all_reduce"):
-                setup_one_shot(weights.mesh.devices.flat)
-            report(f"one-shot all-reduce ready: {DEFAULT_CAPACITY_BYTES // 2**20} MiB per receive slot "
-                   f"(larger sums take XLA's psum)")
         with self._phase("kv_cache"):  # sizing the page pool, then the cache and its fill
             self.page_pool = page_pool.size_pool(
                 num_pages=config.num_pages, kv_memory_fraction=config.kv_memory_fraction,

@@ -65,10 +65,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="who runs the GEMMs on GPUs: cuBLAS (compiles ~15x faster, prefills 4-7%% faster) "
                              "or XLA's autotuned Triton GEMMs (one sequence decoded 1.07-1.09x faster in a bucket of 1)")
     # kernels.all_reduce.ALL_REDUCES (not imported, as above)
-    engine.add_argument("--all-reduce", choices=("xla", "one_shot"), default="xla",
+    engine.add_argument("--all-reduce", choices=("auto", "xla", "one_shot"), default="auto",
                         help="who sums TP mode's partials over the GPUs: XLA's psum (NCCL), or on exactly two "
                              "GPUs shiftjax's one-shot kernel, compiled with nvcc on first use, which XLA keeps "
-                             "inside its CUDA graphs (TP decode 1.12-1.15x faster on 2x H200)")
+                             "inside its CUDA graphs (served TP decode 1.03-1.11x faster on 2x H200, the same "
+                             "sums); auto: one_shot where the mesh is two GPUs and the kernel builds")
     engine.add_argument("--compile-workers", type=int, default=None,
                         help="executables compiled at once at start-up (default: all on the CPU; on GPUs "
                              "one with Triton GEMMs, whose autotuning serialises, and a quarter of the usable "

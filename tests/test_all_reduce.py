@@ -102,8 +102,20 @@ def test_make_step_refuses_an_unknown_all_reduce():
 
 
 def test_engine_config_refuses_an_unknown_all_reduce():
-    with pytest.raises(ValueError, match="all_reduce must be one of xla, one_shot"):
+    with pytest.raises(ValueError, match="all_reduce must be one of auto, xla, one_shot"):
         EngineConfig(all_reduce="nccl")
+
+
+@pytest.mark.parametrize("asked", ["auto", "xla"])
+def test_auto_and_xla_choose_psum_off_two_gpus(asked):
+    """``auto`` (the default) takes XLA's psum on CPUs, without trying to build the kernel."""
+    weights = shard_params(random_params(CONFIG, seed=1, scale=0.3), CONFIG, make_mesh(1, 2, jax.devices()[:2]))
+    heard = []
+    engine = Engine(weights, EngineConfig(max_model_len=32, page_size=4, num_pages=16, max_num_seqs=2,
+                                          max_num_batched_tokens=8, token_buckets=(8,), seq_buckets=(2,),
+                                          attention="reference", all_reduce=asked), report=heard.append)
+    assert engine.all_reduce == "xla" and "all_reduce" not in engine.startup_seconds
+    assert not any("one-shot" in line for line in heard)
 
 
 def test_one_shot_needs_two_gpus():
@@ -127,6 +139,6 @@ def test_cli_option_reaches_the_engine_config():
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
     assert engine_options(parser.parse_args(["--all-reduce", "one_shot"]))["all_reduce"] == "one_shot"
-    assert engine_options(parser.parse_args([]))["all_reduce"] == "xla"
+    assert engine_options(parser.parse_args([]))["all_reduce"] == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["--all-reduce", "nccl"])
