@@ -4,12 +4,14 @@
 
 ``one_shot`` (``one_shot_all_reduce.cu``): each GPU writes its partial sums straight into a
 buffer on the other over NVLink, raises a flag there, waits for the other's, and adds. It
-is an XLA FFI custom call that XLA may record into its CUDA graphs, where NCCL's
-all-reduce splits a step into one graph per stretch between collectives (~66 per GPU in a
-TP decode step of Llama-3.1-8B) and costs ~22 us of device time per 64 KiB
-(benchmarks/x2_results.md). It applies where the sum spans exactly two GPUs of this
-process and the message fits the receive buffer; anything else takes ``psum``. Its sums
-are bf16(float(a) + float(b)), the same on both GPUs.
+is an XLA FFI custom call that XLA records into its CUDA graphs, where NCCL's all-reduce
+splits a step into one graph per stretch between collectives (~66 per GPU in a TP decode
+step of Llama-3.1-8B; benchmarks/x2_results.md, "A one-shot all-reduce in the graph"). It
+applies where the sum spans exactly the mesh's two GPUs, in this process, and the message
+fits the receive slot; anything else takes ``psum``. Its sums are bf16(float(a) + float(b)),
+the same on both GPUs and, as measured, NCCL's bit for bit. If one GPU's step fails, the
+other's kernel traps after 20 s: that GPU's CUDA context is then unusable and the process
+must restart (NCCL would hang instead).
 
 The kernel is compiled with ``nvcc`` on first use (cached by the source's hash) and set up
 once per process (``setup_one_shot``: buffers on both GPUs, peer access); XLA's FFI
@@ -41,6 +43,7 @@ _NVCC_CANDIDATES = ("nvcc", "/usr/local/cuda/bin/nvcc")
 # Process-wide, as XLA's FFI registry and the kernel's buffers are: the libraries loaded.
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL] = {}
+_set_up: list[tuple[int, int]] = []  # the CUDA ordinals the library's buffers are on (one pair)
 
 
 def psum_reference(x: Float[Array, "*shape"], axes: tuple[str, ...]) -> Float[Array, "*shape"]:
@@ -51,46 +54,67 @@ def psum_reference(x: Float[Array, "*shape"], axes: tuple[str, ...]) -> Float[Ar
     return x
 
 
-def all_reduce(x: Float[Array, "*shape"], axes: tuple[str, ...], implementation: str = "xla",
-               capacity_bytes: int = DEFAULT_CAPACITY_BYTES) -> Float[Array, "*shape"]:
+def all_reduce(x: Float[Array, "*shape"], axes: tuple[str, ...], implementation: str = "xla") -> Float[Array, "*shape"]:
     """``x`` summed over the mesh ``axes`` (inside ``shard_map``) by ``implementation``.
     ``one_shot`` applies where the sum spans the mesh's two devices, ``x`` is bf16 in whole
-    16-byte words and fits ``capacity_bytes`` (the receive buffer ``setup_one_shot`` made);
-    elsewhere, and for ``xla``, ``psum_reference``."""
+    16-byte words and fits ``DEFAULT_CAPACITY_BYTES`` (the receive slot ``setup_one_shot``
+    makes); elsewhere, and for ``xla``, ``psum_reference``."""
     if implementation not in ALL_REDUCES:
         raise ValueError(f"all_reduce must be one of {ALL_REDUCES}, got {implementation!r}")
     group = int(np.prod([lax.axis_size(axis) for axis in axes]))
     # the kernel's group is the two GPUs set up: the whole mesh, not two of a larger one
     mesh_size = jax.sharding.get_abstract_mesh().size
-    fits = x.dtype == jax.numpy.bfloat16 and x.size % 8 == 0 and 2 * x.size <= capacity_bytes
+    fits = x.dtype == jax.numpy.bfloat16 and x.size % 8 == 0 and 2 * x.size <= DEFAULT_CAPACITY_BYTES
     if implementation == "xla" or group != 2 or mesh_size != 2 or not fits:
         return psum_reference(x, axes)
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
 
 
-def setup_one_shot(devices, capacity_bytes: int = DEFAULT_CAPACITY_BYTES, cache_dir: str | None = None) -> None:
+def setup_one_shot(devices, *, require_nvlink: bool = False, cache_dir: str | None = None) -> None:
     """Compiles (once, cached), loads and registers the kernel, and sets up its buffers on
-    the two CUDA ``devices`` (the mesh's, in any order). Call before tracing a step with
-    ``all_reduce(..., "one_shot")`` runs (a step that runs it first fails with "not in the
-    group set up"). Raises RuntimeError with the reason where it cannot (no nvcc, not two
-    GPUs, no P2P, already set up for other GPUs)."""
+    the two CUDA ``devices`` (the mesh's, in any order; once per process: a second call for
+    the same GPUs does nothing). Call before a step with ``all_reduce(..., "one_shot")`` is
+    made (``steps.make_step`` checks). ``require_nvlink``: refuse GPUs whose peer access has
+    no native atomics (PCIe), where the kernel was never measured. Raises RuntimeError with
+    the reason where it cannot (no nvcc, not two GPUs of this process, no P2P, already set up
+    for other GPUs)."""
     devices = list(devices)
     if len(devices) != 2 or any(d.platform != "gpu" for d in devices):
         raise RuntimeError(f"the one-shot all-reduce needs two CUDA devices, got {devices}")
+    if any(d.process_index != jax.process_index() for d in devices):
+        raise RuntimeError("the one-shot all-reduce needs both GPUs in this process (a multi-process mesh "
+                           "takes XLA's psum)")
     with _lock:
         library = _load(devices[0], cache_dir)
-        ordinals = sorted(int(d.local_hardware_id) for d in devices)
-        if not library.shiftjax_all_reduce_setup(ordinals[0], ordinals[1], int(capacity_bytes)):
+        ordinals = tuple(sorted(int(d.local_hardware_id) for d in devices))
+        if not library.shiftjax_all_reduce_setup(ordinals[0], ordinals[1], DEFAULT_CAPACITY_BYTES,
+                                                 int(require_nvlink)):
             raise RuntimeError("one-shot all-reduce set-up failed: "
                                + library.shiftjax_all_reduce_error().decode(errors="replace"))
+        _set_up.append(ordinals)
+
+
+def check_one_shot_ready(devices) -> None:
+    """Raises ValueError unless ``setup_one_shot`` has run for exactly these GPUs: a step
+    whose kernel ran on other GPUs would write into buffers another mesh owns."""
+    devices = list(devices)
+    if any(d.platform != "gpu" for d in devices):
+        return  # lowered for inspection only: no GPU can run it
+    ordinals = tuple(sorted(int(d.local_hardware_id) for d in devices))
+    if ordinals not in _set_up:
+        raise ValueError(f"all_reduce one_shot: set up for GPUs {_set_up or 'none'}, not {ordinals}; "
+                         f"call kernels.all_reduce.setup_one_shot(mesh devices) first")
 
 
 def _load(device, cache_dir: str | None) -> ctypes.CDLL:
     path = _compiled(device, cache_dir)
     if str(path) in _loaded:
         return _loaded[str(path)]
-    library = ctypes.CDLL(str(path))
-    library.shiftjax_all_reduce_setup.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_ulonglong)
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError as error:  # e.g. built against a CUDA runtime this machine lacks
+        raise RuntimeError(f"could not load {path}: {error}") from error
+    library.shiftjax_all_reduce_setup.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_int)
     library.shiftjax_all_reduce_setup.restype = ctypes.c_int
     library.shiftjax_all_reduce_error.restype = ctypes.c_char_p
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.ShiftjaxOneShotAllReduce), platform="CUDA")
@@ -113,19 +137,29 @@ def _compiled(device, cache_dir: str | None) -> Path:
                            "(on PATH or in /usr/local/cuda/bin)")
     major, minor = str(getattr(device, "compute_capability", "9.0")).split(".")[:2]
     arch = f"sm_{major}{minor}"
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + arch.encode()
-                         + jax.ffi.include_dir().encode()).hexdigest()[:16]
+    try:
+        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        raise RuntimeError(f"{nvcc} --version failed: {error}") from error
+    flags = ["-O3", "-std=c++17", "--shared", "-Xcompiler", "-fPIC", f"-arch={arch}", f"-I{jax.ffi.include_dir()}"]
+    # the FFI headers come with jaxlib: a new jaxlib builds anew
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), version.encode(), " ".join(flags).encode(),
+                                      jax.__version__.encode(), jax.lib.__version__.encode()])).hexdigest()[:16]
     folder = Path(cache_dir or _default_cache_dir())
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"one_shot_all_reduce_{arch}_{key}.so"
     if path.exists():
         return path
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise RuntimeError(f"cannot create the kernel cache {folder}: {error}") from error
     with tempfile.TemporaryDirectory(dir=folder) as scratch:
         built = Path(scratch) / path.name
-        command = [nvcc, "-O3", "-std=c++17", "--shared", "-Xcompiler", "-fPIC", f"-arch={arch}",
-                   f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built)]
-        result = subprocess.run(command, capture_output=True, text=True)
+        command = [nvcc, *flags, str(SOURCE), "-o", str(built)]
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        except subprocess.TimeoutExpired as error:
+            raise RuntimeError(f"nvcc took over 600 s: {' '.join(command)}") from error
         if result.returncode != 0:
             raise RuntimeError(f"nvcc failed ({' '.join(command)}):\n{result.stderr[-3000:]}")
         os.replace(built, path)  # atomic: a concurrent process sees all of it or none

@@ -1,11 +1,11 @@
 // A one-shot all-reduce of bf16 over the two GPUs of one process, as an XLA FFI custom call
 // that XLA may record into its CUDA graphs (kCmdBufferCompatible).
 //
-// Why: NCCL's all-reduce of a decode step's 64 KiB costs ~22 us of device time on two H200s
-// (NVLink), and each one splits XLA's CUDA graph of the step, so a TP decode step launches
-// ~66 graphs and ~66 collectives per GPU and is bound by the host
-// (benchmarks/x2_results.md). This kernel is a plain kernel launch on XLA's stream, with
-// buffers set up once per process, so a step can be one graph.
+// Why: each NCCL all-reduce splits XLA's CUDA graph of a step, so a TP decode step on two
+// H200s launches ~66 graphs and ~66 collectives per GPU and is bound by the host (NCCL's
+// kernels themselves take ~12 us each for a decode step's 64 KiB; benchmarks/x2_results.md).
+// This kernel is a plain kernel launch on XLA's stream, with buffers set up once per process,
+// so a step can be one graph.
 //
 // Protocol, per call (rank r of 2, its peer p; every block handles one segment):
 //   1. write my segment of x into the peer's receive buffer (slot = call parity) over NVLink;
@@ -16,7 +16,9 @@
 // Reuse is safe with two slots: the peer writes slot s of call k + 2 only after my flag of
 // call k + 1, which I raise after my call k (and its reads of slot s) finished.
 // The call number lives on the device (the graph's arguments are frozen); the last block to
-// finish advances it.
+// finish advances it. Flags and numbers are 64-bit, so a tag never wraps to a stale flag.
+// A trap (the peer never arrived) leaves this GPU's CUDA context unusable: the process must
+// restart, where NCCL would have hung instead.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -32,30 +34,31 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kMaxBlocks = 132;      // at most one block per SM of an H100/H200: all resident
+constexpr int kMaxBlocks = 132;      // flags per slot; the grid is also capped by what is resident
 constexpr int kThreads = 512;
 constexpr int kMaxDevices = 16;      // CUDA ordinals this process may name
 
 struct DeviceState {               // one per participating device, in its memory
   char* receive = nullptr;         // [2 slots][capacity bytes]
-  uint32_t* flags = nullptr;       // [2 slots][kMaxBlocks]
-  uint32_t* counters = nullptr;    // [0]: calls made, [1]: blocks finished in this call
+  uint64_t* flags = nullptr;       // [2 slots][kMaxBlocks]: the call number (+1) that filled it
+  unsigned long long* counters = nullptr;  // [0]: calls made, [1]: blocks finished in this call
 };
 
 std::mutex mutex;
 int group[2] = {-1, -1};           // CUDA ordinals of rank 0 and rank 1
 size_t capacity = 0;               // bytes per slot
+int max_blocks = 0;                // blocks that can all be resident at once on both GPUs
 DeviceState states[2];
 std::string last_error;
 
-__device__ __forceinline__ uint32_t load_acquire(const uint32_t* address) {
-  uint32_t value;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
+__device__ __forceinline__ uint64_t load_acquire(const uint64_t* address) {
+  uint64_t value;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(address) : "memory");
   return value;
 }
 
-__device__ __forceinline__ void store_release(uint32_t* address, uint32_t value) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
+__device__ __forceinline__ void store_release(uint64_t* address, uint64_t value) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(address), "l"(value) : "memory");
 }
 
 __device__ __forceinline__ uint64_t now_ns() {
@@ -71,9 +74,9 @@ constexpr uint64_t kPeerTimeoutNs = 20ull * 1000 * 1000 * 1000;
 __global__ void __launch_bounds__(kThreads) one_shot_kernel(
     const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ out, int64_t n,
     DeviceState mine, DeviceState peer, size_t slot_bytes) {
-  const uint32_t call = *reinterpret_cast<volatile uint32_t*>(mine.counters);
-  const uint32_t slot = call & 1u;
-  const uint32_t tag = call + 1u;  // flags start at 0: never a live tag
+  const uint64_t call = *reinterpret_cast<volatile unsigned long long*>(mine.counters);
+  const uint64_t slot = call & 1u;
+  const uint64_t tag = call + 1u;  // flags start at 0: never a live tag
   // block b owns the 16-byte words [begin, end)
   const int64_t words = n / 8;
   const int64_t per_block = (words + gridDim.x - 1) / gridDim.x;
@@ -90,7 +93,8 @@ __global__ void __launch_bounds__(kThreads) one_shot_kernel(
     const uint64_t began = now_ns();
     while (load_acquire(mine.flags + slot * kMaxBlocks + blockIdx.x) != tag) {
       if (now_ns() - began > kPeerTimeoutNs) {
-        printf("shiftjax one-shot all-reduce: the peer GPU did not arrive in 20 s (call %u)\n", call);
+        printf("shiftjax one-shot all-reduce: the peer GPU did not arrive in 20 s (call %llu)\n",
+               static_cast<unsigned long long>(call));
         __trap();
       }
     }
@@ -113,10 +117,10 @@ __global__ void __launch_bounds__(kThreads) one_shot_kernel(
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    if (atomicAdd(mine.counters + 1, 1u) == gridDim.x - 1) {
+    if (atomicAdd(mine.counters + 1, 1ull) == gridDim.x - 1) {
       mine.counters[1] = 0;
       __threadfence();
-      atomicAdd(mine.counters, 1u);
+      atomicAdd(mine.counters, 1ull);
     }
   }
 }
@@ -146,9 +150,10 @@ ffi::Error all_reduce(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16
                       "shiftjax one-shot all-reduce: " + std::to_string(n) +
                           " elements: need a multiple of 8 and at most " + std::to_string(capacity / 2));
   }
-  // ~16 KiB per block, at most one block per SM
+  // ~16 KiB per block; every block of the grid must be resident at once (a block waits for
+  // the peer's block of the same index), so at most max_blocks
   int64_t blocks = (static_cast<int64_t>(bytes) + 16383) / 16384;
-  blocks = blocks < 1 ? 1 : blocks > kMaxBlocks ? kMaxBlocks : blocks;
+  blocks = blocks < 1 ? 1 : blocks > max_blocks ? max_blocks : blocks;
   one_shot_kernel<<<static_cast<int>(blocks), kThreads, 0, stream>>>(
       reinterpret_cast<const __nv_bfloat16*>(x.typed_data()),
       reinterpret_cast<__nv_bfloat16*>(out->typed_data()), n, states[rank], states[1 - rank], capacity);
@@ -174,9 +179,10 @@ extern "C" {
 
 // Allocates both devices' receive buffers, flags and counters (zeroed) and enables peer
 // access both ways. Call once, before any step that uses the all-reduce runs; a second call
-// with the same group and a capacity no larger is a no-op. Returns 1 on success, else 0 and
-// shiftjax_all_reduce_error() says why.
-int shiftjax_all_reduce_setup(int ordinal0, int ordinal1, unsigned long long slot_bytes) {
+// with the same group and a capacity no larger is a no-op. require_nvlink: refuse a pair whose
+// peer access lacks native atomics (PCIe), where the kernel was never measured. Returns 1 on
+// success, else 0 (nothing left allocated) and shiftjax_all_reduce_error() says why.
+int shiftjax_all_reduce_setup(int ordinal0, int ordinal1, unsigned long long slot_bytes, int require_nvlink) {
   std::lock_guard<std::mutex> lock(mutex);
   if (ordinal0 < 0 || ordinal1 < 0 || ordinal0 >= kMaxDevices || ordinal1 >= kMaxDevices ||
       ordinal0 == ordinal1) {
@@ -184,36 +190,65 @@ int shiftjax_all_reduce_setup(int ordinal0, int ordinal1, unsigned long long slo
   }
   if (capacity != 0) {
     if (group[0] == ordinal0 && group[1] == ordinal1 && slot_bytes <= capacity) return 1;
-    return set_error("already set up for another group or a smaller capacity");
+    return set_error("already set up for GPUs " + std::to_string(group[0]) + " and " + std::to_string(group[1]) +
+                     " with " + std::to_string(capacity) + " bytes per slot");
   }
-  int previous = 0;
-  if (!check(cudaGetDevice(&previous), "cudaGetDevice")) return 0;
   const int ordinals[2] = {ordinal0, ordinal1};
-  slot_bytes = (slot_bytes + 15) / 16 * 16;
-  for (int rank = 0; rank < 2; ++rank) {
-    DeviceState& state = states[rank];
-    if (!check(cudaSetDevice(ordinals[rank]), "cudaSetDevice") ||
-        !check(cudaMalloc(&state.receive, 2 * slot_bytes), "cudaMalloc (receive)") ||
-        !check(cudaMalloc(&state.flags, 2 * kMaxBlocks * sizeof(uint32_t)), "cudaMalloc (flags)") ||
-        !check(cudaMalloc(&state.counters, 2 * sizeof(uint32_t)), "cudaMalloc (counters)") ||
-        !check(cudaMemset(state.flags, 0, 2 * kMaxBlocks * sizeof(uint32_t)), "cudaMemset") ||
-        !check(cudaMemset(state.counters, 0, 2 * sizeof(uint32_t)), "cudaMemset")) {
-      return 0;
-    }
-    int can_access = 0;
-    if (!check(cudaDeviceCanAccessPeer(&can_access, ordinals[rank], ordinals[1 - rank]), "cudaDeviceCanAccessPeer")) {
+  for (int rank = 0; rank < 2; ++rank) {  // peer access first: nothing to undo if it is missing
+    int can_access = 0, native_atomics = 0;
+    if (!check(cudaDeviceCanAccessPeer(&can_access, ordinals[rank], ordinals[1 - rank]), "cudaDeviceCanAccessPeer") ||
+        !check(cudaDeviceGetP2PAttribute(&native_atomics, cudaDevP2PAttrNativeAtomicSupported, ordinals[rank],
+                                         ordinals[1 - rank]), "cudaDeviceGetP2PAttribute")) {
       return 0;
     }
     if (!can_access) return set_error("the two GPUs cannot access each other's memory (no P2P)");
-    cudaError_t status = cudaDeviceEnablePeerAccess(ordinals[1 - rank], 0);
-    if (status == cudaErrorPeerAccessAlreadyEnabled) {
-      cudaGetLastError();  // clear it: already enabled (by XLA or NCCL) is what we want
-    } else if (!check(status, "cudaDeviceEnablePeerAccess")) {
-      return 0;
+    if (require_nvlink && !native_atomics) {
+      return set_error("the two GPUs' peer access has no native atomics (not NVLink)");
     }
-    if (!check(cudaDeviceSynchronize(), "cudaDeviceSynchronize")) return 0;
+  }
+  int previous = 0;
+  if (!check(cudaGetDevice(&previous), "cudaGetDevice")) return 0;
+  slot_bytes = (slot_bytes + 15) / 16 * 16;
+  DeviceState made[2];
+  int resident = kMaxBlocks;
+  bool ok = true;
+  for (int rank = 0; rank < 2 && ok; ++rank) {
+    DeviceState& state = made[rank];
+    int per_sm = 0, sms = 0;
+    ok = check(cudaSetDevice(ordinals[rank]), "cudaSetDevice") &&
+         check(cudaMalloc(&state.receive, 2 * slot_bytes), "cudaMalloc (receive)") &&
+         check(cudaMalloc(&state.flags, 2 * kMaxBlocks * sizeof(uint64_t)), "cudaMalloc (flags)") &&
+         check(cudaMalloc(&state.counters, 2 * sizeof(unsigned long long)), "cudaMalloc (counters)") &&
+         check(cudaMemset(state.flags, 0, 2 * kMaxBlocks * sizeof(uint64_t)), "cudaMemset") &&
+         check(cudaMemset(state.counters, 0, 2 * sizeof(unsigned long long)), "cudaMemset") &&
+         check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, one_shot_kernel, kThreads, 0),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor") &&
+         check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ordinals[rank]), "cudaDeviceGetAttribute");
+    if (ok) {
+      resident = per_sm * sms < resident ? per_sm * sms : resident;
+      cudaError_t status = cudaDeviceEnablePeerAccess(ordinals[1 - rank], 0);
+      if (status == cudaErrorPeerAccessAlreadyEnabled) {
+        cudaGetLastError();  // clear it: already enabled (by XLA or NCCL) is what we want
+      } else {
+        ok = check(status, "cudaDeviceEnablePeerAccess");
+      }
+      ok = ok && check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    }
+  }
+  if (ok && resident < 1) ok = set_error("the kernel cannot be resident on these GPUs");
+  if (!ok) {  // free what was made on either GPU
+    for (int rank = 0; rank < 2; ++rank) {
+      cudaSetDevice(ordinals[rank]);
+      cudaFree(made[rank].receive);
+      cudaFree(made[rank].flags);
+      cudaFree(made[rank].counters);
+    }
   }
   cudaSetDevice(previous);
+  if (!ok) return 0;
+  states[0] = made[0];
+  states[1] = made[1];
+  max_blocks = resident;
   group[0] = ordinal0;
   group[1] = ordinal1;
   capacity = slot_bytes;

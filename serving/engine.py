@@ -109,8 +109,8 @@ class EngineConfig:
 def _choose_all_reduce(asked: str, mesh, report: Callable[[str], None], phase) -> str:
     """``xla`` or ``one_shot`` for ``EngineConfig.all_reduce`` on this mesh, the one-shot
     kernel set up where chosen. Asked for by name, it must work (ValueError / RuntimeError
-    saying why not); ``auto`` takes it on a mesh of two GPUs where it builds, reporting why
-    where it does not (the sums are the same either way)."""
+    saying why not); ``auto`` takes it on a mesh of two NVLink-joined GPUs of this process
+    where it builds, reporting why where it does not (the sums are the same either way)."""
     two_gpus = mesh.size == 2 and all(d.platform == "gpu" for d in mesh.devices.flat)
     if asked == "xla" or (asked == "auto" and not two_gpus):
         return "xla"
@@ -118,11 +118,13 @@ def _choose_all_reduce(asked: str, mesh, report: Callable[[str], None], phase) -
         raise ValueError(f"all_reduce one_shot sums over two GPUs; this mesh has {mesh.size} devices")
     try:
         with phase("all_reduce"):
-            setup_one_shot(mesh.devices.flat)
-    except RuntimeError as error:
+            # auto only where it was measured: GPUs joined by NVLink
+            setup_one_shot(mesh.devices.flat, require_nvlink=asked == "auto")
+    except Exception as error:  # noqa: BLE001 - auto: whatever stops the kernel, psum does the same sums
         if asked == "one_shot":
             raise
-        report(f"TP sums by XLA's psum: the one-shot all-reduce is unavailable ({error})")
+        report(f"TP sums by XLA's psum: the one-shot all-reduce is unavailable "
+               f"({type(error).__name__}: {error})")
         return "xla"
     report(f"TP sums by the one-shot all-reduce ({DEFAULT_CAPACITY_BYTES // 2**20} MiB per receive slot; "
            f"larger sums by XLA's psum)")

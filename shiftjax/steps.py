@@ -20,7 +20,7 @@ from jax import lax
 from shiftjax.batch import StepBatch
 from shiftjax.cache import KVCache
 from shiftjax.config import rope_inverse_frequencies
-from shiftjax.kernels.all_reduce import ALL_REDUCES
+from shiftjax.kernels.all_reduce import ALL_REDUCES, check_one_shot_ready
 from shiftjax.layouts.mesh import SP
 from shiftjax.layouts.specs import CACHE_SPEC, REPLICATED
 from shiftjax.model import (
@@ -82,6 +82,8 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", lay
         raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
     if all_reduce not in ALL_REDUCES:
         raise ValueError(f"all_reduce must be one of {ALL_REDUCES}, got {all_reduce!r}")
+    if all_reduce == "one_shot" and weights.mesh.size == 2:
+        check_one_shot_ready(weights.mesh.devices.flat)
     config, dims, mesh = weights.config, weights.dims, weights.mesh
     inv_freq = tuple(rope_inverse_frequencies(config))
     layer_fn = tp_layer if mode == "tp" else sp_layer

@@ -1,11 +1,14 @@
 """Who sums TP mode's partials (kernels/all_reduce.py), on the CPU mesh: ``xla`` is the sum
 over the devices; ``one_shot`` becomes the kernel's custom call exactly where it applies
-(two devices in all, bf16 in whole 16-byte words, within the receive buffer) and XLA's
-psum elsewhere; the option reaches every layer of both modes' steps, the engine's keys and
-the CLI; and a mesh it cannot serve is refused with the reason. The kernel itself runs on
-two GPUs only: tests/test_all_reduce_gpu.py."""
+(two devices in all, bf16 in whole 16-byte words, within the receive slot) and XLA's psum
+elsewhere; the option reaches every layer of both modes' steps, the executable store's keys
+and the CLI; a mesh it cannot serve is refused with the reason, and ``auto`` falls back to
+psum whatever stops the kernel. The kernel itself runs on two GPUs only:
+tests/test_all_reduce_gpu.py."""
 
 from __future__ import annotations
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +18,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shiftjax.config import ModelConfig
-from shiftjax.kernels.all_reduce import DEFAULT_CAPACITY_BYTES, TARGET, all_reduce, setup_one_shot
+import types
+
+from shiftjax.kernels.all_reduce import (
+    DEFAULT_CAPACITY_BYTES,
+    TARGET,
+    all_reduce,
+    check_one_shot_ready,
+    setup_one_shot,
+)
 from shiftjax.layouts.mesh import SP, TP, make_mesh
 from shiftjax.params import random_params
 from shiftjax.serving.engine import Engine, EngineConfig
@@ -142,3 +153,50 @@ def test_cli_option_reaches_the_engine_config():
     assert engine_options(parser.parse_args([]))["all_reduce"] == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["--all-reduce", "nccl"])
+
+
+def _fake_gpus(process_index=0, ordinals=(0, 1)):
+    return [types.SimpleNamespace(platform="gpu", process_index=process_index, local_hardware_id=o) for o in ordinals]
+
+
+def test_setup_refuses_gpus_of_another_process():
+    with pytest.raises(RuntimeError, match="both GPUs in this process"):
+        setup_one_shot(_fake_gpus(process_index=jax.process_index() + 1))
+
+
+def test_a_step_on_gpus_not_set_up_is_refused():
+    """(the kernel would write into buffers another pair of GPUs owns)"""
+    with pytest.raises(ValueError, match="set up for GPUs none, not \\(2, 3\\)"):
+        check_one_shot_ready(_fake_gpus(ordinals=(3, 2)))
+    check_one_shot_ready(jax.devices()[:2])  # CPUs: lowered for inspection only, nothing runs
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("no nvcc"), PermissionError("read-only cache"), OSError("bad .so")])
+def test_auto_falls_back_to_psum_whatever_stops_the_kernel(monkeypatch, failure):
+    from shiftjax.serving import engine as engine_module
+
+    asked = []
+
+    def failing(devices, **options):
+        asked.append(options)
+        raise failure
+    monkeypatch.setattr(engine_module, "setup_one_shot", failing)
+    mesh = types.SimpleNamespace(size=2, devices=np.array(_fake_gpus()))
+    heard = []
+    chosen = engine_module._choose_all_reduce("auto", mesh, heard.append, lambda name: contextlib.nullcontext())
+    assert chosen == "xla" and str(failure) in heard[0] and "psum" in heard[0]
+    with pytest.raises(type(failure)):
+        engine_module._choose_all_reduce("one_shot", mesh, heard.append, lambda name: contextlib.nullcontext())
+    # auto takes the kernel only over NVLink, where it was measured; asked for by name, anywhere
+    assert asked == [{"require_nvlink": True}, {"require_nvlink": False}]
+
+
+def test_store_keys_differ_by_all_reduce():
+    from shiftjax.serving.executable_store import step_key
+
+    weights = shard_params(random_params(CONFIG, seed=1, scale=0.3), CONFIG, make_mesh(1, 2, jax.devices()[:2]))
+    caches = _abstract_caches(weights)
+    options = dict(mode="tp", num_tokens=8, num_seqs=4, max_pages=4, attention="reference", layer_loop="scan",
+                   max_top_logprobs=0, sample_in_step=False)
+    assert step_key(weights, caches, all_reduce="xla", **options) != step_key(weights, caches, all_reduce="one_shot",
+                                                                              **options)

@@ -24,7 +24,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module", autouse=True)
 def one_shot_ready():
-    setup_one_shot(jax.devices()[:2])
+    setup_one_shot(jax.devices()[:2], require_nvlink=True)
 
 
 @pytest.mark.parametrize("shape", [(1, 2), (2, 1)])
@@ -43,3 +43,35 @@ def test_one_shot_equals_psum(shape, rows):
         got, want = np.asarray(one_shot(x)), np.asarray(xla(x))
         assert (got.view(np.uint16) == want.view(np.uint16)).all()
         assert (got[:rows].view(np.uint16) == got[rows:].view(np.uint16)).all()  # both GPUs hold it
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_one_shot_inside_a_cuda_graph_equals_psum(rows):
+    """Eight products and sums in one jit, which XLA records as one CUDA graph and replays:
+    twenty calls with fresh inputs give psum's sums bit for bit (the kernel's call number
+    and slots advance on the device while the graph's arguments stay the same)."""
+    mesh = make_mesh(1, 2, jax.devices()[:2])
+    spec = P((SP, TP))
+    w = jax.device_put(jax.random.normal(jax.random.key(99), (512, 512), jnp.bfloat16) * (0.5 / 512 ** 0.5),
+                       NamedSharding(mesh, P()))
+
+    def chain(implementation):
+        def body(x, w):
+            for _ in range(8):
+                x = all_reduce(x @ w, (SP, TP), implementation)
+            return x
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, P()), out_specs=spec, check_vma=False))
+    one_shot, xla = chain("one_shot"), chain("xla")
+    for seed in range(20):
+        x = jax.device_put(jax.random.normal(jax.random.key(seed), (2 * rows, 512), jnp.bfloat16),
+                           NamedSharding(mesh, spec))
+        got, want = np.asarray(one_shot(x, w)), np.asarray(xla(x, w))
+        assert (got.view(np.uint16) == want.view(np.uint16)).all(), seed
+
+
+def test_a_second_setup_for_the_same_gpus_is_a_no_op_and_other_gpus_are_refused():
+    setup_one_shot(jax.devices()[:2], require_nvlink=True)
+    setup_one_shot(jax.devices()[1::-1])  # same pair, other order
+    if jax.device_count() > 2:
+        with pytest.raises(RuntimeError, match="already set up"):
+            setup_one_shot(jax.devices()[1:3])
