@@ -7,8 +7,8 @@ because the step's temporary buffer landed somewhere new each time; with XLA's V
 allocator (``vmm``) no phase of the engine's decode loop measured on 2x H200 did
 (benchmarks/x2_results.md, "Command buffers re-recorded", with the figures). Served,
 though, ``vmm`` decoded one request at a time 1.13-1.27x slower than the default and 8 or 64
-concurrent ones alike, and the default showed no such stretch (same file, "Fewer launches,
-tried twice; the allocators served"): the default stays the default.
+concurrent ones alike (same file, "Fewer launches, tried twice; the allocators served"): the
+default stays the default.
 
 JAX reads the choice from ``XLA_PYTHON_CLIENT_ALLOCATOR`` when it registers its GPU plugin
 and creates the client, so it must be made before anything touches a device; CPUs ignore
