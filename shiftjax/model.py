@@ -9,7 +9,9 @@ Reductions are ordered so both modes add the same partial sums in the same order
 mode sums its ``sp`` block partials with ``psum`` over ``sp`` and then over ``tp``; SP mode
 adds its ``sp`` block GEMMs in block order and then ``psum``s over ``tp``. With the aliased
 weight storage the two modes then write the same cache bytes wherever the all-reduce adds
-in device order (checked on the CPU mesh by the KV-invariance test).
+in device order (checked on the CPU mesh by the KV-invariance test). Both modes' layer sums
+go through ``kernels.all_reduce`` with the step's one choice: XLA's ``psum``, or on two
+GPUs the one-shot kernel, whose bf16(a + b) is psum's bit for bit.
 """
 
 from __future__ import annotations
