@@ -219,7 +219,7 @@ class DataParallelService:
 
     def stats(self) -> ServiceStats:
         """The replicas' stats summed (steps too: steps run on P devices at once); ready
-        when every replica is, draining when any is."""
+        when every replica is, draining when any is; the replicas' errors, each named."""
         each = [r.stats() for r in self.replicas]
         return ServiceStats(
             running=sum(s.running for s in each), waiting=sum(s.waiting for s in each),
@@ -228,7 +228,8 @@ class DataParallelService:
             preemptions=sum(s.preemptions for s in each),
             tokens_by_mode=_sum_counts(s.tokens_by_mode for s in each),
             steps_by_mode=_sum_counts(s.steps_by_mode for s in each),
-            ready=all(s.ready for s in each), draining=self._draining or any(s.draining for s in each))
+            ready=all(s.ready for s in each), draining=self._draining or any(s.draining for s in each),
+            error="; ".join(f"replica {i}: {s.error}" for i, s in enumerate(each) if s.error) or None)
 
     def step_trace(self) -> list[dict]:
         """Every replica's last steps (``AsyncEngineService.step_trace``), each tagged with

@@ -155,6 +155,8 @@ def create_app(service, *, model_name: str, api_key: str | None = None,
             return JSONResponse({"status": "error", "message": repr(error)}, status_code=503)
         if stats.ready and not stats.draining:
             return JSONResponse({"status": "ok"})
+        if stats.error is not None:
+            return JSONResponse({"status": "error", "message": stats.error}, status_code=503)
         return JSONResponse({"status": "draining" if stats.draining else "starting"}, status_code=503)
 
     if metrics is not None:

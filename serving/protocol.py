@@ -97,6 +97,7 @@ class ServiceStats:
     steps_by_mode: dict[str, int]
     ready: bool
     draining: bool
+    error: str | None = None  # why a started service stopped being ready (it needs a restart)
 
 
 class EngineService(Protocol):

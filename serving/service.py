@@ -46,6 +46,12 @@ from shiftjax.serving.service_info import service_info
 from shiftjax.serving.validation import validate_request
 
 STEP_TRACE_STEPS = 20_000  # about a minute of steps at 3 ms each; a few MB of JSON at most
+# A device error that outlives the engine's recovery (a CUDA context lost to an Xid, or the
+# one-shot all-reduce's trap after the other GPU's step failed) fails every step after it:
+# after this many failed steps in a row, none finished between them, the service stops
+# reporting ready (health NOT_SERVING) and refuses new requests, so that an orchestrator
+# restarts the server instead of sending it traffic it can only fail.
+FAILED_STEPS_BEFORE_UNHEALTHY = 3
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +88,8 @@ class AsyncEngineService:
         self._step_trace: collections.deque[dict] = collections.deque(maxlen=STEP_TRACE_STEPS)
         self._step_trace_lock = threading.Lock()
         self._startup_error: BaseException | None = None
+        self._failed_steps = 0  # in a row, on the engine thread
+        self._broken: str | None = None  # why the service gave up (FAILED_STEPS_BEFORE_UNHEALTHY)
         self._draining = False
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="shiftjax-engine", daemon=True)
@@ -96,9 +104,15 @@ class AsyncEngineService:
 
     @property
     def ready(self) -> bool:
+        return self._started and self._broken is None
+
+    @property
+    def _started(self) -> bool:
         return self._ready.is_set() and self._startup_error is None
 
     def submit(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        if self._broken is not None:
+            raise Unavailable(self._broken)
         if self._draining or self._stopping:
             raise Unavailable("the server is shutting down and takes no new requests")
         if not self.ready:
@@ -165,7 +179,7 @@ class AsyncEngineService:
 
     def stats(self) -> ServiceStats:
         engine = self.engine
-        if engine is None or not self.ready:
+        if engine is None or not self._started:
             return ServiceStats(running=0, waiting=len(self._inbox), num_pages=0, free_pages=0, steps=0,
                                 switches=0, preemptions=0, tokens_by_mode={}, steps_by_mode={},
                                 ready=False, draining=self._draining)
@@ -175,12 +189,14 @@ class AsyncEngineService:
             num_pages=engine.num_pages - 1, free_pages=scheduler.allocator.num_free,
             steps=engine.stats["steps"], switches=engine.stats["switches"],
             preemptions=scheduler.num_preemptions, tokens_by_mode=dict(engine.stats["tokens_by_mode"]),
-            steps_by_mode=dict(engine.stats["steps_by_mode"]), ready=True, draining=self._draining)
+            steps_by_mode=dict(engine.stats["steps_by_mode"]), ready=self.ready, draining=self._draining,
+            error=self._broken)
 
     def info(self) -> dict:
-        if not self.ready:
+        if not self._started:
             return {"model": self.model_name, "ready": False, **self.details}
-        return service_info(self.engine, self.model_name, self.stats()) | self.details
+        info = service_info(self.engine, self.model_name, self.stats()) | self.details
+        return info if self._broken is None else info | {"error": self._broken}
 
     async def drain(self, grace_seconds: float | int) -> int:
         """Takes no new requests (:class:`Unavailable`), lets running ones finish for up to
@@ -238,11 +254,12 @@ class AsyncEngineService:
                 else:
                     self._take(inbox, cancels, outgoing)
                     self._turn(outgoing)
-            except Exception:  # a bug of ours: fail what is in flight, keep serving
+            except Exception as error:  # a bug of ours, or the devices: fail what is in flight
                 log.exception("engine loop failed; failing the requests in flight")
                 self.engine.forget_in_flight()
                 for live in list(self._live.values()):
                     self._fail(live, outgoing)
+                self._step_failed(error)
             self._send(outgoing)
             if stopping:
                 return
@@ -297,10 +314,22 @@ class AsyncEngineService:
                     live.first_scheduled = now
         report = turn.finished
         if report is not None:
+            self._failed_steps = 0
             self._record(report)
             self._make_deltas(report, outgoing)  # first: a request the failed launch fails keeps these
         for failure in turn.failed:
             self._fail_step(failure, outgoing)
+            self._step_failed(failure.__cause__ or failure)
+
+    def _step_failed(self, error: BaseException) -> None:
+        """Counts a failed step; the ``FAILED_STEPS_BEFORE_UNHEALTHY``-th in a row makes the
+        service unhealthy (it stays up, to answer health checks and drain)."""
+        self._failed_steps += 1
+        if self._failed_steps >= FAILED_STEPS_BEFORE_UNHEALTHY and self._broken is None:
+            self._broken = (f"the engine failed {self._failed_steps} steps in a row (the last: "
+                            f"{type(error).__name__}: {str(error)[:200]}); the devices may be unusable: "
+                            f"restart the server")
+            log.critical("%s; health NOT_SERVING, new requests refused", self._broken)
 
     def _record(self, report: StepReport) -> None:
         """The step's metrics and its line in the step trace."""

@@ -50,6 +50,7 @@ class FakeService:
         self.token_delay = token_delay
         self.max_model_len = max_model_len
         self.ready, self.draining = True, False
+        self.error: str | None = None  # why the service stopped being ready, when set
         self.capacity: int | None = None  # live requests before Overloaded, when set
         self.echo = False  # reply with the prompt's text before REPLY, so replies differ by prompt
         self.fail_after: int | None = None  # tokens before an internal error, when set
@@ -85,7 +86,7 @@ class FakeService:
     def stats(self) -> ServiceStats:
         return ServiceStats(running=len(self.live), waiting=0, num_pages=64, free_pages=64 - 2 * len(self.live),
                             steps=0, switches=0, preemptions=0, tokens_by_mode={}, steps_by_mode={},
-                            ready=self.ready, draining=self.draining)
+                            ready=self.ready, draining=self.draining, error=self.error)
 
     def info(self) -> dict:
         return {"model": "fake", "max_model_len": self.max_model_len}

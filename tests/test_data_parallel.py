@@ -5,6 +5,7 @@ concurrent requests spread over both, a cancel or a deadline frees pages in the 
 that held the request, and ``bench serve`` drives it."""
 
 import asyncio
+import dataclasses
 import json
 import subprocess
 import sys
@@ -123,7 +124,10 @@ def test_stats_are_summed_and_info_says_dp():
     dp.submit(request(20, 20, "x"))
     stats = dp.stats()
     assert (stats.running, stats.num_pages, stats.free_pages) == (1, 512, 512 - 3)
-    assert stats.tokens_by_mode == {"tp": 0} and stats.ready
+    assert stats.tokens_by_mode == {"tp": 0} and stats.ready and stats.error is None
+    replicas[1].stats = lambda real=replicas[1].stats: dataclasses.replace(real(), ready=False, error="lost GPU")
+    stats = dp.stats()
+    assert not stats.ready and stats.error == "replica 1: lost GPU"
     info = dp.info()
     assert info["mesh"]["dp"] == 2 and info["page_pool"]["num_pages"] == 512
     assert info["startup"]["executables"] == 8

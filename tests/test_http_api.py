@@ -278,6 +278,10 @@ def test_overloaded_unavailable_and_failed(client, service):
     service.draining = True
     assert client.get("/health").json() == {"status": "draining"}
     service.draining = False
+    service.ready, service.error = False, "the engine failed 3 steps in a row"
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json() == {"status": "error", "message": service.error}
+    service.ready, service.error = True, None
 
     service.fail_after = 3
     r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 10})

@@ -21,7 +21,7 @@ from shiftjax.serving.errors import DeadlineExceeded, InvalidRequest, Overloaded
 from shiftjax.serving.executables import JaxCompileEvents
 from shiftjax.serving.protocol import GenerationRequest
 from shiftjax.serving.sampling_params import SamplingParams
-from shiftjax.serving.service import AsyncEngineService
+from shiftjax.serving.service import FAILED_STEPS_BEFORE_UNHEALTHY, AsyncEngineService
 from shiftjax.weights import shard_params
 
 CONFIG = ModelConfig(architecture="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
@@ -351,6 +351,33 @@ def test_a_failing_step_fails_its_requests_and_serving_goes_on(service, engine, 
     [lost] = donated
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(lost))  # the failure did consume them
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(engine.caches))
+    assert service.ready  # one failed step, then a finished one: still serving
+
+
+def test_failed_steps_in_a_row_make_the_service_unhealthy(service, engine, monkeypatch):
+    """A device lost for good fails every step: after FAILED_STEPS_BEFORE_UNHEALTHY in a row
+    the service says so (not ready: health NOT_SERVING) and refuses new requests, naming
+    the last error; one failure followed by a finished step does not (the test above)."""
+    def get(*key):
+        def lost(*args):
+            raise RuntimeError("an injected lost device")
+        return lost
+    monkeypatch.setattr(engine.executables, "get", get)
+
+    async def main():
+        outcomes = []
+        for prompt in PROMPTS[:FAILED_STEPS_BEFORE_UNHEALTHY]:
+            assert service.ready  # not before the last of them
+            outcomes += await asyncio.gather(collect(service.submit(request(prompt))), return_exceptions=True)
+        return outcomes
+
+    outcomes = asyncio.run(main())
+    assert all(isinstance(outcome, RequestFailed) for outcome in outcomes)
+    stats = service.stats()
+    assert not service.ready and not stats.ready and "injected lost device" in stats.error
+    assert f"{FAILED_STEPS_BEFORE_UNHEALTHY} steps in a row" in service.info()["error"]
+    with pytest.raises(Unavailable, match="restart the server"):
+        service.submit(request(PROMPTS[0]))
 
 
 def test_drain_refuses_new_requests_then_aborts_the_rest(service):
