@@ -171,6 +171,8 @@ class DataParallelService:
         raised at once, whichever replica raised them."""
         if self._draining:
             raise Unavailable("the server is shutting down and takes no new requests")
+        if error := self.stats().error:  # a replica gave up on its devices: the server needs a restart
+            raise Unavailable(error)
         if not self.ready:
             raise Unavailable("the engines are still starting (compiling their executables); retry shortly")
         with self._lock:
@@ -251,6 +253,9 @@ class DataParallelService:
         info = dict(each_info[0])
         info["model"] = self.model_name
         info["ready"] = all(s.ready for s in each_stats)
+        info.pop("error", None)  # replica 0's alone; the replicas' errors, each named:
+        if error := "; ".join(f"replica {i}: {s.error}" for i, s in enumerate(each_stats) if s.error):
+            info["error"] = error
         mesh = dict(info.get("mesh", {}))
         mesh.update(dp=len(self.replicas), devices=sum(int(i.get("mesh", {}).get("devices", 1)) for i in each_info))
         info["mesh"] = mesh
@@ -275,7 +280,8 @@ class DataParallelService:
             {"index": i, "device": self._devices[i],
              "queued_tokens": queued[i], "live_requests": live[i],
              "routed_requests": routed[i], "running": s.running, "waiting": s.waiting,
-             "num_pages": s.num_pages, "free_pages": s.free_pages, "steps": s.steps, "ready": s.ready}
+             "num_pages": s.num_pages, "free_pages": s.free_pages, "steps": s.steps, "ready": s.ready,
+             **({"error": s.error} if s.error else {})}
             for i, s in enumerate(each_stats)]
         return info
 

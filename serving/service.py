@@ -183,20 +183,21 @@ class AsyncEngineService:
             return ServiceStats(running=0, waiting=len(self._inbox), num_pages=0, free_pages=0, steps=0,
                                 switches=0, preemptions=0, tokens_by_mode={}, steps_by_mode={},
                                 ready=False, draining=self._draining)
-        scheduler = engine.scheduler
+        scheduler, broken = engine.scheduler, self._broken  # read once: ready and error agree
         return ServiceStats(
             running=len(scheduler.running), waiting=len(scheduler.waiting) + len(self._inbox),
             num_pages=engine.num_pages - 1, free_pages=scheduler.allocator.num_free,
             steps=engine.stats["steps"], switches=engine.stats["switches"],
             preemptions=scheduler.num_preemptions, tokens_by_mode=dict(engine.stats["tokens_by_mode"]),
-            steps_by_mode=dict(engine.stats["steps_by_mode"]), ready=self.ready, draining=self._draining,
-            error=self._broken)
+            steps_by_mode=dict(engine.stats["steps_by_mode"]), ready=broken is None, draining=self._draining,
+            error=broken)
 
     def info(self) -> dict:
         if not self._started:
             return {"model": self.model_name, "ready": False, **self.details}
         info = service_info(self.engine, self.model_name, self.stats()) | self.details
-        return info if self._broken is None else info | {"error": self._broken}
+        broken = self._broken
+        return info if broken is None else info | {"ready": False, "error": broken}
 
     async def drain(self, grace_seconds: float | int) -> int:
         """Takes no new requests (:class:`Unavailable`), lets running ones finish for up to
@@ -319,11 +320,14 @@ class AsyncEngineService:
             self._make_deltas(report, outgoing)  # first: a request the failed launch fails keeps these
         for failure in turn.failed:
             self._fail_step(failure, outgoing)
-            self._step_failed(failure.__cause__ or failure)
+        if turn.failed:  # once a turn: a failed finish and the launch that read it are one incident
+            last = turn.failed[-1]
+            self._step_failed(last.__cause__ or last)
 
     def _step_failed(self, error: BaseException) -> None:
-        """Counts a failed step; the ``FAILED_STEPS_BEFORE_UNHEALTHY``-th in a row makes the
-        service unhealthy (it stays up, to answer health checks and drain)."""
+        """Counts a turn that failed (a step's launch or result, or the loop itself); the
+        ``FAILED_STEPS_BEFORE_UNHEALTHY``-th in a row, no step finished between them, makes
+        the service unhealthy (it stays up, to answer health checks and drain)."""
         self._failed_steps += 1
         if self._failed_steps >= FAILED_STEPS_BEFORE_UNHEALTHY and self._broken is None:
             self._broken = (f"the engine failed {self._failed_steps} steps in a row (the last: "

@@ -15,7 +15,7 @@ import pytest
 
 from grpc_harness import FakeEngineService
 from shiftjax.serving.data_parallel import DataParallelService, StartupSummer, pick_replica
-from shiftjax.serving.errors import InvalidRequest, Overloaded
+from shiftjax.serving.errors import InvalidRequest, Overloaded, Unavailable
 from shiftjax.serving.protocol import GenerationRequest
 from shiftjax.serving.sampling_params import SamplingParams
 from loopback import wait_for
@@ -128,6 +128,11 @@ def test_stats_are_summed_and_info_says_dp():
     replicas[1].stats = lambda real=replicas[1].stats: dataclasses.replace(real(), ready=False, error="lost GPU")
     stats = dp.stats()
     assert not stats.ready and stats.error == "replica 1: lost GPU"
+    info = dp.info()  # the error named by replica, replica 0's info (the base of dp's) or not
+    assert info["error"] == "replica 1: lost GPU" and info["replicas"][1]["error"] == "lost GPU"
+    assert "error" not in info["replicas"][0] and not info["ready"]
+    with pytest.raises(Unavailable, match="replica 1: lost GPU"):  # not "still starting"
+        dp.submit(request(2, 2, "after"))
     info = dp.info()
     assert info["mesh"]["dp"] == 2 and info["page_pool"]["num_pages"] == 512
     assert info["startup"]["executables"] == 8

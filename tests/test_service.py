@@ -375,9 +375,41 @@ def test_failed_steps_in_a_row_make_the_service_unhealthy(service, engine, monke
     assert all(isinstance(outcome, RequestFailed) for outcome in outcomes)
     stats = service.stats()
     assert not service.ready and not stats.ready and "injected lost device" in stats.error
-    assert f"{FAILED_STEPS_BEFORE_UNHEALTHY} steps in a row" in service.info()["error"]
+    info = service.info()
+    assert f"{FAILED_STEPS_BEFORE_UNHEALTHY} steps in a row" in info["error"] and info["ready"] is False
     with pytest.raises(Unavailable, match="restart the server"):
         service.submit(request(PROMPTS[0]))
+
+
+def test_a_finished_step_resets_the_count_of_failed_ones(service, engine, reference, monkeypatch):
+    """Failures that a finished step separates never add up to the limit."""
+    real_get, failing = engine.executables.get, [True]
+
+    def get(*key):
+        if not failing[0]:
+            return real_get(*key)
+
+        def lost(*args):
+            raise RuntimeError("an injected device error")
+        return lost
+    monkeypatch.setattr(engine.executables, "get", get)
+
+    async def fail(times):
+        for prompt in PROMPTS[:times]:
+            [outcome] = await asyncio.gather(collect(service.submit(request(prompt))), return_exceptions=True)
+            assert isinstance(outcome, RequestFailed)
+
+    async def main():
+        await fail(FAILED_STEPS_BEFORE_UNHEALTHY - 1)
+        failing[0] = False
+        served = await collect(service.submit(request(PROMPTS[1])))
+        failing[0] = True
+        await fail(FAILED_STEPS_BEFORE_UNHEALTHY - 1)
+        return served
+
+    served = asyncio.run(main())
+    assert [t for d in served for t in d.token_ids] == reference[1]
+    assert service.ready and service.stats().error is None
 
 
 def test_drain_refuses_new_requests_then_aborts_the_rest(service):
