@@ -29,9 +29,9 @@ from shiftjax.serving.sampling_params import SamplingParams
 from shiftjax.weights import shard_params
 
 
-# the engine variants that set EngineConfig.gemm / .all_reduce (engine_loop); the others keep the default
-_VARIANT_GEMM = {"cublas": "cublas", "triton": "triton", "triton_small_graphs": "triton"}
-_VARIANT_ALL_REDUCE = {"one_shot_all_reduce": "one_shot", "xla_all_reduce": "xla"}
+# the engine variants that set EngineConfig fields (engine_loop); the others keep the defaults
+_VARIANT_CONFIG = {"cublas": {"gemm": "cublas"}, "triton": {"gemm": "triton"}, "triton_small_graphs": {"gemm": "triton"},
+                   "one_shot_all_reduce": {"all_reduce": "one_shot"}, "xla_all_reduce": {"all_reduce": "xla"}}
 # XLA's command buffers (CUDA graphs) re-record every command that reads or writes an
 # allocation whose address changed since the last run (an argument, an output, the temporary
 # buffer); these modes give some of them stable addresses (JAX 0.11.2's XLA: see the
@@ -88,8 +88,7 @@ def _step_variant(variant: str):
         patches.append((executables_module, "unpack_batch", lambda upload: unpack_batch(_materialised(upload))))
     if "one_row_logits" in parts:  # the LM head before 98d9a7a: one row stays one row
         patches.append((model_module, "MIN_LOGIT_ROWS", 1))
-    if not patches and variant != "shipped" and variant not in _VARIANT_GEMM and variant not in _VARIANT_ALL_REDUCE:
-        # (engine_loop sets gemm and all_reduce)
+    if not patches and variant != "shipped" and variant not in _VARIANT_CONFIG:  # (engine_loop sets those)
         raise ValueError(f"unknown engine variant {variant!r}")
     with contextlib.ExitStack() as stack:
         for target, name, replacement in patches:
@@ -179,8 +178,7 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
             max_model_len=max_model_len, max_num_seqs=most, num_pages=most * -(-max_model_len // PAGE) + 1,
             max_num_batched_tokens=prefill_budget, token_buckets=(64, prefill_budget),
             seq_buckets=seq_buckets or seq_counts, mode="tp", attention=attention, layer_loop="unrolled",
-            gemm=_VARIANT_GEMM.get(variant, EngineConfig.gemm),
-            all_reduce=_VARIANT_ALL_REDUCE.get(variant, EngineConfig.all_reduce))
+            **_VARIANT_CONFIG.get(variant, {}))
         try:
             engine = _variant_engine(variant, weights, engine_config)
         except Exception as error:  # noqa: BLE001 - an XLA without the variant's option: the others still run

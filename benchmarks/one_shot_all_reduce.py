@@ -39,11 +39,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from roofline import device_time, time_fn  # noqa: E402
 
+from shiftjax.kernels.all_reduce import all_reduce, psum_reference, setup_one_shot  # noqa: E402
+
 CHUNK = 2048  # elements one block moves: 4 KiB of bf16, 16 per thread of a warpgroup
 
 
 def psum(x):
-    return lax.psum(lax.psum(x, "sp"), "tp")
+    return psum_reference(x, ("sp", "tp"))
 
 
 def _peer(axes=("sp", "tp")):
@@ -107,7 +109,6 @@ def one_shot(x, *, per_block: bool):
 
 def ffi_one_shot(x):
     """shiftjax's own kernel (kernels/one_shot_all_reduce.cu, an XLA FFI call)."""
-    from shiftjax.kernels.all_reduce import all_reduce
     return all_reduce(x, ("sp", "tp"), "one_shot")
 
 
@@ -129,7 +130,6 @@ def main() -> int:
     parser_variants = [v for v in args.variants.split(",") if v]
     variants = {"psum": psum} if args.smoke else {name: VARIANTS[name] for name in parser_variants}
     if "ffi_one_shot" in variants:
-        from shiftjax.kernels.all_reduce import setup_one_shot
         setup_one_shot(jax.devices()[:2])
     hidden = 512 if args.smoke else 4096
     options = None if args.smoke else {"xla_gpu_enable_triton_gemm": False}  # --gemm cublas, as serve

@@ -171,7 +171,7 @@ class DataParallelService:
         raised at once, whichever replica raised them."""
         if self._draining:
             raise Unavailable("the server is shutting down and takes no new requests")
-        if error := self.stats().error:  # a replica gave up on its devices: the server needs a restart
+        if error := _replica_errors(r.stats() for r in self.replicas):  # a replica gave up on its devices
             raise Unavailable(error)
         if not self.ready:
             raise Unavailable("the engines are still starting (compiling their executables); retry shortly")
@@ -231,7 +231,7 @@ class DataParallelService:
             tokens_by_mode=_sum_counts(s.tokens_by_mode for s in each),
             steps_by_mode=_sum_counts(s.steps_by_mode for s in each),
             ready=all(s.ready for s in each), draining=self._draining or any(s.draining for s in each),
-            error="; ".join(f"replica {i}: {s.error}" for i, s in enumerate(each) if s.error) or None)
+            error=_replica_errors(each))
 
     def step_trace(self) -> list[dict]:
         """Every replica's last steps (``AsyncEngineService.step_trace``), each tagged with
@@ -254,7 +254,7 @@ class DataParallelService:
         info["model"] = self.model_name
         info["ready"] = all(s.ready for s in each_stats)
         info.pop("error", None)  # replica 0's alone; the replicas' errors, each named:
-        if error := "; ".join(f"replica {i}: {s.error}" for i, s in enumerate(each_stats) if s.error):
+        if error := _replica_errors(each_stats):
             info["error"] = error
         mesh = dict(info.get("mesh", {}))
         mesh.update(dp=len(self.replicas), devices=sum(int(i.get("mesh", {}).get("devices", 1)) for i in each_info))
@@ -315,6 +315,11 @@ class _RoutedStream:
             self._closed = True
             self._service._forget(self._request_id)
             await self._stream.aclose()
+
+
+def _replica_errors(each_stats) -> str | None:
+    """Why replicas stopped being ready (``ServiceStats.error``), each named, or None."""
+    return "; ".join(f"replica {i}: {s.error}" for i, s in enumerate(each_stats) if s.error) or None
 
 
 def _sum_counts(dicts) -> dict[str, int]:

@@ -195,9 +195,7 @@ class AsyncEngineService:
     def info(self) -> dict:
         if not self._started:
             return {"model": self.model_name, "ready": False, **self.details}
-        info = service_info(self.engine, self.model_name, self.stats()) | self.details
-        broken = self._broken
-        return info if broken is None else info | {"ready": False, "error": broken}
+        return service_info(self.engine, self.model_name, self.stats()) | self.details
 
     async def drain(self, grace_seconds: float | int) -> int:
         """Takes no new requests (:class:`Unavailable`), lets running ones finish for up to

@@ -20,7 +20,8 @@ def service_info(engine: Engine, model_name: str, stats: ServiceStats) -> dict:
     policy = engine.policy
     return {
         "model": model_name,
-        "ready": True,
+        "ready": stats.ready,
+        **({"error": stats.error} if stats.error else {}),
         "model_config": _plain(dataclasses.asdict(model)),
         "mesh": {"sp": engine.weights.dims.sp, "tp": engine.weights.dims.tp,
                  "axes": list(mesh.axis_names), "devices": int(mesh.size),
