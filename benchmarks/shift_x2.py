@@ -38,6 +38,8 @@ from roofline import device_time, time_fn  # noqa: E402
 
 from shiftjax.batch import empty_batch  # noqa: E402
 from shiftjax.cache import CacheConfig, allocate_cache  # noqa: E402
+from shiftjax.kernels import all_reduce as collective_kernels  # noqa: E402
+from shiftjax.kernels.all_reduce import setup_one_shot  # noqa: E402
 from shiftjax.layouts.mesh import make_mesh  # noqa: E402
 from shiftjax.serving import executables as executables_module  # noqa: E402
 from shiftjax.serving.engine import Engine, EngineConfig  # noqa: E402
@@ -122,18 +124,20 @@ def weight_bytes_per_device(weights, mesh) -> list[int]:
 
 
 def time_steps(weights, mesh, shapes: dict, *, attention: str, profile: bool, num_pages: int,
-               compiler_options: dict | None = None, sample_in_step: bool = True) -> dict:
+               compiler_options: dict | None = None, sample_in_step: bool = True, all_to_all: str = "xla") -> dict:
     """Wall (median, synchronised) and device span of each (mode, shape) step, compiled
     with XLA ``compiler_options`` (debug options by name) when given. ``sample_in_step``:
     see ``make_step`` (False: the engine's step, whose greedy packing holds no conditional;
-    the in-step sampler's conditionals block the host until the device reaches them)."""
+    the in-step sampler's conditionals block the host until the device reaches them);
+    ``all_to_all``: ``make_step``'s (SP's exchanges)."""
     config = weights.config
     caches = allocate_cache(mesh, config.num_layers, weights.layout.kv_slots, config.head_dim,
                             CacheConfig(num_pages, PAGE, str(weights.tp.embed.dtype)))
     state = {"caches": caches}
     lowered = {}
     for mode, name in shapes:
-        step = make_step(weights, mode, attention=attention, layer_loop="unrolled", sample_in_step=sample_in_step)
+        step = make_step(weights, mode, attention=attention, layer_loop="unrolled", sample_in_step=sample_in_step,
+                         all_to_all=all_to_all)
         batch = to_device(shapes[(mode, name)], weights)
         lowered[(mode, name)] = (step.lower(params_for(weights, mode), caches, batch), batch)
     start = time.perf_counter()
@@ -369,53 +373,62 @@ def levers(smoke: bool, attention: str, profile: bool) -> dict:
 
 
 def sp_all_to_all(smoke: bool, attention: str, profile: bool) -> dict:
-    """What SP's all-to-alls cost against DP (target 3), and whether XLA's copy-engine
-    path for them helps: SP prefill of 2 x 2048 and 4096 tokens and TP of 4096 on the mesh
-    (2, 1), DP's share (one prompt of 2048 on one GPU, the whole model), each with
-    ``--gemm cublas``'s options (``cublas``) and with all-to-alls among this process's GPUs
-    done by ``cudaMemcpy`` between peers instead of NCCL kernels (``memcpy_p2p``:
-    ``xla_gpu_use_memcpy_local_p2p``). Greedy tokens and the logits' bytes must agree
-    between the variants, and SP's logits' bytes with TP's at 4096 tokens.
+    """What SP's all-to-alls cost against DP (target 3): SP prefill of 2 x 2048 and 4096
+    tokens and TP of 4096 on the mesh (2, 1), DP's share (one prompt of 2048 on one GPU, the
+    whole model), all with ``--gemm cublas``'s options, SP's exchanges by NCCL (``cublas``),
+    by the one-shot kernel (``one_shot``: ``make_step(all_to_all="one_shot")``), and by the
+    kernel over ``--weight-storage two_copies`` (``one_shot_two_copies``). Greedy tokens and
+    the logits' bytes must agree between the aliased variants, and SP's logits' bytes with
+    TP's at 4096 tokens in each.
 
-    (At ``5afc7f1`` this part also measured SP with its all-to-alls cut into token chunks,
-    which made it slower; x2_results.md, "Overlapping SP's all-to-alls".)"""
+    (Earlier trees measured XLA's copy-engine all-to-alls, ``memcpy_p2p``, and token chunks
+    here, both slower; x2_results.md, "Overlapping SP's all-to-alls".)"""
     config = big_config(smoke)
     prompt, max_pages = (64, 8) if smoke else (2048, 260)
     shapes = {("sp", "pre2x2048"): prefill_batch(2, prompt, max_pages),
               ("sp", "pre4096"): prefill_batch(1, 2 * prompt, 2 * max_pages),
               ("tp", "pre4096"): prefill_batch(1, 2 * prompt, 2 * max_pages)}
     cublas = None if smoke else executables_module.xla_compiler_options("cublas", "gpu")  # GPU-only options
-    variants = {"cublas": cublas, "memcpy_p2p": {**(cublas or {}), "xla_gpu_use_memcpy_local_p2p": True}}
-    run = functools.partial(_option_variants, smoke, attention, profile, sample_in_step=False)
+    kernel = "xla" if smoke else "one_shot"  # the kernel needs two GPUs
+    run = functools.partial(time_steps, attention=attention, profile=profile, num_pages=64 * (1024 // PAGE + 1) + 2,
+                            compiler_options=cublas, sample_in_step=False)
     mesh = make_mesh(2, 1, jax.devices()[:2])
-    weights = shard_params(device_random_params(config, jnp.bfloat16), config, mesh)
-    out = run(mesh, weights, shapes, variants)
-    del weights
+    if kernel == "one_shot":
+        setup_one_shot(mesh.devices.flat, require_nvlink=True)
+    out = {}
+    for storage in ("aliased", "two_copies"):
+        weights = shard_params(device_random_params(config, jnp.bfloat16), config, mesh, storage)
+        for name, exchange in ((("cublas", "xla"), ("one_shot", kernel)) if storage == "aliased"
+                               else (("one_shot_two_copies", kernel),)):
+            log(f"  variant {name}")
+            out[name] = run(weights, mesh, shapes, all_to_all=exchange)
+        del weights
     one = make_mesh(1, 1, jax.devices()[:1])
     weights = shard_params(device_random_params(config, jnp.bfloat16), config, one)
-    out.update({f"dp_{name}": row for name, row in run(one, weights, {("tp", "pre1x2048"): prefill_batch(
-        1, prompt, max_pages)}, {"cublas": cublas}).items()})
+    out["dp_cublas"] = run(weights, one, {("tp", "pre1x2048"): prefill_batch(1, prompt, max_pages)})
     del weights
+    variants = ("cublas", "one_shot", "one_shot_two_copies")
+    dp = out["dp_cublas"]["tp:pre1x2048"]["wall_ms"]
     for name in variants:
-        if name in out and "dp_cublas" in out:
-            dp = out["dp_cublas"]["tp:pre1x2048"]["wall_ms"]
-            sp, tp = out[name]["sp:pre2x2048"]["wall_ms"], out[name]["tp:pre4096"]["wall_ms"]
-            out[name]["sp_vs_dp"] = dp / sp
-            out[name]["sp_vs_tp_4096"] = tp / out[name]["sp:pre4096"]["wall_ms"]
-            log(f"  {name}: SP vs DP {dp / sp:.3f}x, SP vs TP at 4096 {out[name]['sp_vs_tp_4096']:.3f}x")
-    measured = [out[name] for name in variants if name in out]
+        sp, tp = out[name]["sp:pre2x2048"]["wall_ms"], out[name]["tp:pre4096"]["wall_ms"]
+        out[name]["sp_vs_dp"] = dp / sp
+        out[name]["sp_vs_tp_4096"] = tp / out[name]["sp:pre4096"]["wall_ms"]
+        log(f"  {name}: SP vs DP {dp / sp:.3f}x, SP vs TP at 4096 {out[name]['sp_vs_tp_4096']:.3f}x")
 
-    def agree(field):  # every variant's steps against the first variant's
-        return all(row[k][field] == measured[0][k][field] for row in measured for k in measured[0] if ":" in k)
+    def agree(field, names):  # the steps of ``names`` against the first one's
+        first = out[names[0]]
+        return all(out[name][k][field] == first[k][field] for name in names for k in first if ":" in k)
 
-    out["same_tokens"], out["same_logits"] = agree("tokens"), agree("logits_sha1")
+    out["same_tokens"] = agree("tokens", variants)
+    out["same_logits"] = agree("logits_sha1", variants[:2])  # two_copies sums in another order
     out["sp_logits_equal_tp_4096"] = {name: out[name]["sp:pre4096"]["logits_sha1"] == out[name]["tp:pre4096"][
-        "logits_sha1"] for name in variants if name in out}
-    log(f"  the same greedy tokens in every variant: {out['same_tokens']}; the same logits' bytes: "
+        "logits_sha1"] for name in variants}
+    log(f"  the same greedy tokens in every variant: {out['same_tokens']}; the same logits' bytes (aliased): "
         f"{out['same_logits']}; SP's logits bytes equal to TP's at 4096: {out['sp_logits_equal_tp_4096']}")
     # SP's logits equal TP's on the GPUs (every run since x2_run1); not on the CPU in bf16, whose
     # all-reduce rounds otherwise (the CPU mesh's equality is tested in float32, test_invariance)
-    out["pass"] = out["same_tokens"] and out["same_logits"] and (smoke or all(out["sp_logits_equal_tp_4096"].values()))
+    out["pass"] = out["same_tokens"] and out["same_logits"] and (
+        smoke or all(out["sp_logits_equal_tp_4096"][name] for name in variants[:2]))
     return out
 
 
@@ -451,6 +464,10 @@ def collectives(smoke: bool) -> dict:
     sizes = [1 << 12, 1 << 16, 1 << 20, 1 << 24] if smoke else [1 << k for k in range(12, 28, 2)]
     repeats = 4 if smoke else 20
     out = {"bytes_per_device": sizes, "all_reduce_s": [], "all_to_all_s": []}
+    kernels = not smoke  # the one-shot kernels need two GPUs
+    if kernels:
+        setup_one_shot(mesh.devices.flat, require_nvlink=True)
+        out.update(one_shot_all_reduce_s=[], one_shot_all_to_all_s=[])
 
     def chained(collective):
         def body(x):
@@ -461,12 +478,19 @@ def collectives(smoke: bool) -> dict:
 
     reduce = chained(lambda x: jax.lax.psum(x, "x"))
     exchange = chained(lambda x: jax.lax.all_to_all(x, "x", 0, 0, tiled=True))
+    measured = {"all_reduce_s": reduce, "all_to_all_s": exchange}
+    if kernels:
+        measured["one_shot_all_reduce_s"] = chained(lambda x: collective_kernels.all_reduce(x, ("x",), "one_shot"))
+        measured["one_shot_all_to_all_s"] = chained(lambda x: collective_kernels.all_to_all(x, "x", 0, "one_shot"))
     for size in sizes:
         x = jax.device_put(jnp.ones((2 * size // 2,), jnp.bfloat16), NamedSharding(mesh, P("x")))
-        for name, fn in (("all_reduce_s", reduce), ("all_to_all_s", exchange)):
+        for name, fn in measured.items():
+            if name.startswith("one_shot") and size > collective_kernels.DEFAULT_CAPACITY_BYTES:
+                out[name].append(None)  # the kernel would take psum / NCCL: not measured
+                continue
             out[name].append(min(time_fn(fn, x, warmup=2, iters=10) for _ in range(3)) / repeats)
-        log(f"  {size:>10d} B/device: all-reduce {out['all_reduce_s'][-1] * 1e6:8.1f} us, "
-            f"all-to-all {out['all_to_all_s'][-1] * 1e6:8.1f} us")
+        log(f"  {size:>10d} B/device: " + ", ".join(
+            f"{name[:-2]} {'n/a' if out[name][-1] is None else f'{out[name][-1] * 1e6:8.1f} us'}" for name in measured))
     return out
 
 

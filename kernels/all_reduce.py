@@ -35,7 +35,9 @@ from jax import lax
 from jaxtyping import Array, Float
 
 ALL_REDUCES = ("xla", "one_shot")
+ALL_TO_ALLS = ("xla", "one_shot")
 TARGET = "shiftjax_one_shot_all_reduce"
+EXCHANGE_TARGET = "shiftjax_one_shot_all_to_all"
 SOURCE = Path(__file__).with_name("one_shot_all_reduce.cu")
 DEFAULT_CAPACITY_BYTES = 32 * 2**20  # per receive slot: a 4096-token step of hidden 4096 in bf16
 _NVCC_CANDIDATES = ("nvcc", "/usr/local/cuda/bin/nvcc")
@@ -68,6 +70,38 @@ def all_reduce(x: Float[Array, "*shape"], axes: tuple[str, ...], implementation:
     if implementation == "xla" or not group == mesh_size == 2 or not fits:
         return psum_reference(x, axes)
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+
+def all_to_all(x: Float[Array, "*shape"], axis: str, split_axis: int, implementation: str = "xla"
+               ) -> Float[Array, "*out_shape"]:
+    """``lax.all_to_all(x, axis, split_axis, 0, tiled=True)`` (inside ``shard_map``) by
+    ``implementation``. ``one_shot`` applies where ``axis`` spans the mesh's two devices,
+    ``x`` is bf16, each half's rows are whole 16-byte words and a half fits
+    ``DEFAULT_CAPACITY_BYTES``; elsewhere, and for ``xla``, XLA's all-to-all (NCCL)."""
+    if implementation not in ALL_TO_ALLS:
+        raise ValueError(f"all_to_all must be one of {ALL_TO_ALLS}, got {implementation!r}")
+    shape = x.shape
+    outer = int(np.prod(shape[:split_axis]))
+    inner = int(np.prod(shape[split_axis:])) // 2  # elements of a half's row
+    mesh_size = jax.sharding.get_abstract_mesh().size
+    fits = (x.dtype == jax.numpy.bfloat16 and shape[split_axis] % 2 == 0 and inner % 8 == 0
+            and 2 * outer * inner <= DEFAULT_CAPACITY_BYTES)
+    if implementation == "xla" or not lax.axis_size(axis) == mesh_size == 2 or not fits:
+        return lax.all_to_all(x, axis, split_axis, 0, tiled=True)
+    return exchange_call(x, axis, split_axis, EXCHANGE_TARGET)
+
+
+def exchange_call(x, axis: str, split_axis: int, target: str):
+    """The kernel's custom call ``target`` for ``all_to_all`` (which checks it applies)."""
+    shape = x.shape
+    outer = int(np.prod(shape[:split_axis]))
+    inner = int(np.prod(shape[split_axis:])) // 2
+    out_shape = (2 * shape[0], *shape[1:]) if split_axis else shape
+    out_shape = tuple(n // 2 if i == split_axis and split_axis else n for i, n in enumerate(out_shape))
+    rank = lax.axis_index(axis).astype(jax.numpy.int32)
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((2 * outer * inner,), x.dtype))(
+        x.reshape(-1), rank, outer=np.int64(outer), inner=np.int64(inner))
+    return out.reshape(out_shape)
 
 
 def setup_one_shot(devices, *, require_nvlink: bool = False, cache_dir: str | None = None) -> None:
@@ -118,6 +152,7 @@ def _load(device, cache_dir: str | None) -> ctypes.CDLL:
     library.shiftjax_all_reduce_setup.restype = ctypes.c_int
     library.shiftjax_all_reduce_error.restype = ctypes.c_char_p
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.ShiftjaxOneShotAllReduce), platform="CUDA")
+    jax.ffi.register_ffi_target(EXCHANGE_TARGET, jax.ffi.pycapsule(library.ShiftjaxOneShotAllToAll), platform="CUDA")
     _loaded[str(path)] = library
     return library
 
@@ -129,8 +164,9 @@ def _default_cache_dir() -> Path:
     return (repo if (repo / "pyproject.toml").is_file() else Path.cwd()) / ".cache" / "shiftjax" / "kernels"
 
 
-def _compiled(device, cache_dir: str | None) -> Path:
-    """The kernel's shared library for ``device``'s architecture, compiled if not cached."""
+def _compiled(device, cache_dir: str | None, defines: tuple[str, ...] = ()) -> Path:
+    """The kernel's shared library for ``device``'s architecture, compiled if not cached
+    (``defines``: ``-D`` macros, for benchmarks that build variants)."""
     nvcc = next((found for name in _NVCC_CANDIDATES if (found := shutil.which(name))), None)
     if nvcc is None:
         raise RuntimeError("the one-shot all-reduce is compiled on first use and needs nvcc "
@@ -141,7 +177,8 @@ def _compiled(device, cache_dir: str | None) -> Path:
         version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as error:
         raise RuntimeError(f"{nvcc} --version failed: {error}") from error
-    flags = ["-O3", "-std=c++17", "--shared", "-Xcompiler", "-fPIC", f"-arch={arch}", f"-I{jax.ffi.include_dir()}"]
+    flags = ["-O3", "-std=c++17", "--shared", "-Xcompiler", "-fPIC", f"-arch={arch}", f"-I{jax.ffi.include_dir()}",
+             *(f"-D{define}" for define in defines)]
     # the FFI headers come with jaxlib: a new jaxlib builds anew
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), version.encode(), " ".join(flags).encode(),
                                       jax.__version__.encode(), jax.lib.__version__.encode()])).hexdigest()[:16]

@@ -34,8 +34,15 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kMaxBlocks = 132;      // flags per slot; the grid is also capped by what is resident
-constexpr int kThreads = 512;
+// (macros for benchmarks/exchange_bandwidth.py, which builds variants; the defaults ship)
+#ifndef SHIFTJAX_MAX_BLOCKS
+#define SHIFTJAX_MAX_BLOCKS 132
+#endif
+#ifndef SHIFTJAX_THREADS
+#define SHIFTJAX_THREADS 512
+#endif
+constexpr int kMaxBlocks = SHIFTJAX_MAX_BLOCKS;  // flags per slot; the grid is also capped by what is resident
+constexpr int kThreads = SHIFTJAX_THREADS;
 constexpr int kMaxDevices = 16;      // CUDA ordinals this process may name
 
 struct DeviceState {               // one per participating device, in its memory
@@ -125,6 +132,63 @@ __global__ void __launch_bounds__(kThreads) one_shot_kernel(
   }
 }
 
+// The all-to-all of two GPUs (tiled, concatenated on axis 0), by the same protocol: x is
+// [outer][2][inner] words, out [2][outer][inner]. The caller's index on the exchanged mesh
+// axis (a device scalar: both GPUs run the same program) says which half stays: rank r keeps
+// x[:, r] as out[r] and writes x[:, 1 - r] into the peer's receive slot, which becomes the
+// peer's out[r]; then it waits for the peer's half and copies it to out[1 - r].
+__global__ void __launch_bounds__(kThreads) exchange_kernel(
+    const uint4* __restrict__ x, uint4* __restrict__ out, const int32_t* __restrict__ axis_index,
+    uint32_t outer, uint32_t inner, DeviceState mine, DeviceState peer, size_t slot_bytes) {
+  const uint64_t call = *reinterpret_cast<volatile unsigned long long*>(mine.counters);
+  const uint64_t slot = call & 1u;
+  const uint64_t tag = call + 1u;
+  const uint32_t rank = *axis_index != 0;
+  const uint32_t words = outer * inner;  // per half
+  const uint32_t per_block = (words + gridDim.x - 1) / gridDim.x;
+  const uint32_t begin = blockIdx.x * per_block;
+  const uint32_t end = begin + per_block < words ? begin + per_block : words;
+
+  uint4* peer_words = reinterpret_cast<uint4*>(peer.receive + slot * slot_bytes);
+  uint4* kept = out + rank * words;
+#pragma unroll 4
+  for (uint32_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    const uint32_t row = i / inner;
+    const uint32_t source = i + row * inner;  // row * 2 * inner + (i - row * inner)
+    peer_words[i] = x[source + (1 - rank) * inner];
+    kept[i] = x[source + rank * inner];
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    store_release(peer.flags + slot * kMaxBlocks + blockIdx.x, tag);
+    const uint64_t began = now_ns();
+    while (load_acquire(mine.flags + slot * kMaxBlocks + blockIdx.x) != tag) {
+      if (now_ns() - began > kPeerTimeoutNs) {
+        printf("shiftjax one-shot all-to-all: the peer GPU did not arrive in 20 s (call %llu)\n",
+               static_cast<unsigned long long>(call));
+        __trap();
+      }
+    }
+  }
+  __syncthreads();
+
+  const uint4* received = reinterpret_cast<const uint4*>(mine.receive + slot * slot_bytes);
+  uint4* placed = out + (1 - rank) * words;
+#pragma unroll 4
+  for (uint32_t i = begin + threadIdx.x; i < end; i += blockDim.x) placed[i] = received[i];
+
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(mine.counters + 1, 1ull) == gridDim.x - 1) {
+      mine.counters[1] = 0;
+      __threadfence();
+      atomicAdd(mine.counters, 1ull);
+    }
+  }
+}
+
 bool set_error(const std::string& message) {
   last_error = message;
   return false;
@@ -135,9 +199,12 @@ bool check(cudaError_t status, const char* what) {
   return set_error(std::string(what) + ": " + cudaGetErrorString(status));
 }
 
+// This device's rank in the group set up, or -1.
+int rank_of(int32_t device) { return device == group[0] ? 0 : device == group[1] ? 1 : -1; }
+
 ffi::Error all_reduce(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x,
                       ffi::ResultBuffer<ffi::BF16> out) {
-  int rank = device == group[0] ? 0 : device == group[1] ? 1 : -1;
+  int rank = rank_of(device);
   if (rank < 0) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "shiftjax one-shot all-reduce: device " + std::to_string(device) +
@@ -165,6 +232,37 @@ ffi::Error all_reduce(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16
   return ffi::Error::Success();
 }
 
+ffi::Error all_to_all(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> axis_index,
+                      ffi::ResultBuffer<ffi::BF16> out, int64_t outer, int64_t inner) {
+  int rank = rank_of(device);
+  if (rank < 0) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "shiftjax one-shot all-to-all: device " + std::to_string(device) +
+                          " is not in the group set up by shiftjax_all_reduce_setup");
+  }
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  const size_t half_bytes = static_cast<size_t>(outer) * static_cast<size_t>(inner) * 2;
+  if (outer < 1 || inner < 8 || inner % 8 != 0 || n != 2 * outer * inner || half_bytes > capacity ||
+      axis_index.element_count() != 1) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "shiftjax one-shot all-to-all: " + std::to_string(n) + " elements as [" +
+                          std::to_string(outer) + "][2][" + std::to_string(inner) +
+                          "]: need inner a multiple of 8 and a half of at most " + std::to_string(capacity) + " bytes");
+  }
+  int64_t blocks = (static_cast<int64_t>(half_bytes) + 16383) / 16384;
+  blocks = blocks < 1 ? 1 : blocks > max_blocks ? max_blocks : blocks;
+  exchange_kernel<<<static_cast<int>(blocks), kThreads, 0, stream>>>(
+      reinterpret_cast<const uint4*>(x.typed_data()), reinterpret_cast<uint4*>(out->typed_data()),
+      axis_index.typed_data(), static_cast<uint32_t>(outer), static_cast<uint32_t>(inner / 8), states[rank],
+      states[1 - rank], capacity);
+  cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) {
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("one-shot all-to-all launch: ") +
+                                                     cudaGetErrorString(status));
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ShiftjaxOneShotAllReduce, all_reduce,
@@ -173,6 +271,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ShiftjaxOneShotAllReduce, all_reduce,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ShiftjaxOneShotAllToAll, all_to_all,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<int64_t>("outer")
+                                  .Attr<int64_t>("inner"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 extern "C" {
@@ -214,7 +323,7 @@ int shiftjax_all_reduce_setup(int ordinal0, int ordinal1, unsigned long long slo
   bool ok = true;
   for (int rank = 0; rank < 2 && ok; ++rank) {
     DeviceState& state = made[rank];
-    int per_sm = 0, sms = 0;
+    int per_sm = 0, per_sm_exchange = 0, sms = 0;
     ok = check(cudaSetDevice(ordinals[rank]), "cudaSetDevice") &&
          check(cudaMalloc(&state.receive, 2 * slot_bytes), "cudaMalloc (receive)") &&
          check(cudaMalloc(&state.flags, 2 * kMaxBlocks * sizeof(uint64_t)), "cudaMalloc (flags)") &&
@@ -223,8 +332,11 @@ int shiftjax_all_reduce_setup(int ordinal0, int ordinal1, unsigned long long slo
          check(cudaMemset(state.counters, 0, 2 * sizeof(unsigned long long)), "cudaMemset") &&
          check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, one_shot_kernel, kThreads, 0),
                "cudaOccupancyMaxActiveBlocksPerMultiprocessor") &&
+         check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_exchange, exchange_kernel, kThreads, 0),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor") &&
          check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ordinals[rank]), "cudaDeviceGetAttribute");
     if (ok) {
+      per_sm = per_sm_exchange < per_sm ? per_sm_exchange : per_sm;
       resident = per_sm * sms < resident ? per_sm * sms : resident;
       cudaError_t status = cudaDeviceEnablePeerAccess(ordinals[1 - rank], 0);
       if (status == cudaErrorPeerAccessAlreadyEnabled) {

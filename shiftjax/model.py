@@ -25,7 +25,7 @@ from jaxtyping import Array, Float, Int
 
 from shiftjax.batch import StepBatch
 from shiftjax.kernels import AttentionMetadata, ragged_paged_attention, write_kv_cache
-from shiftjax.kernels.all_reduce import all_reduce, psum_reference
+from shiftjax.kernels.all_reduce import all_reduce, all_to_all, psum_reference
 from shiftjax.layouts.mesh import HEAD_AXES, SP, TP
 from shiftjax.weights import LayerWeights, LocalDims
 
@@ -60,13 +60,14 @@ class Context:
     """Static facts and per-step inputs that every layer of one step reads."""
 
     def __init__(self, dims: LocalDims, eps: float, inv_freq, batch: StepBatch, attention: str,
-                 all_reduce: str = "xla"):
+                 all_reduce: str = "xla", all_to_all: str = "xla"):
         self.dims = dims
         self.eps = eps
         self.inv_freq = inv_freq
         self.batch = batch
         self.attention = attention
         self.all_reduce = all_reduce  # kernels.all_reduce.ALL_REDUCES: who sums the layers' partials
+        self.all_to_all = all_to_all  # kernels.all_reduce.ALL_TO_ALLS: who does SP mode's exchanges
 
     @property
     def metadata(self) -> AttentionMetadata:
@@ -126,11 +127,11 @@ def sp_layer(x, w: LayerWeights, k_cache, v_cache, layer, ctx: Context):
     h = rms_norm(x, w.attn_norm, ctx.eps)
     qkv = _column_blocks(h, w.wqkv, dims.sp)  # [local_tokens, sp, qkv]
     # One all-to-all for q, k and v: split head blocks over sp, gather all tokens.
-    qkv = lax.all_to_all(qkv, SP, split_axis=1, concat_axis=0, tiled=True)
+    qkv = all_to_all(qkv, SP, 1, ctx.all_to_all)
     attn, k_cache, v_cache = attention_core(qkv[:, 0], w.bqkv, k_cache, v_cache, layer, ctx)
     # The inverse: split tokens over sp, gather every head block of the TP shard.
     attn = attn.reshape(dims.sp, local_tokens, -1)
-    attn = lax.all_to_all(attn, SP, split_axis=0, concat_axis=0, tiled=True)
+    attn = all_to_all(attn, SP, 0, ctx.all_to_all)
     attn = jnp.swapaxes(attn, 0, 1)  # [local_tokens, sp, q_width]
     x = x + all_reduce(_row_blocks(attn, w.wo), (TP,), ctx.all_reduce)
     h = rms_norm(x, w.mlp_norm, ctx.eps)

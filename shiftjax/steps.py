@@ -20,7 +20,7 @@ from jax import lax
 from shiftjax.batch import StepBatch
 from shiftjax.cache import KVCache
 from shiftjax.config import rope_inverse_frequencies
-from shiftjax.kernels.all_reduce import ALL_REDUCES, check_one_shot_ready
+from shiftjax.kernels.all_reduce import ALL_REDUCES, ALL_TO_ALLS, check_one_shot_ready
 from shiftjax.layouts.mesh import SP
 from shiftjax.layouts.specs import CACHE_SPEC, REPLICATED
 from shiftjax.model import (
@@ -54,7 +54,7 @@ LAYER_LOOPS = ("scan", "unrolled")
 
 def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", layer_loop: str = "scan",
               return_logits: bool = False, max_top_logprobs: int = 0, sample_in_step: bool = True,
-              all_reduce: str = "xla"):
+              all_reduce: str = "xla", all_to_all: str = "xla"):
     """The jitted step of ``mode`` for these weights; caches (argument 1) are donated.
 
     ``max_top_logprobs``: how many alternatives per sampled token the step can return
@@ -65,6 +65,7 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", lay
 
     ``all_reduce``: who sums the layers' partials over devices (``kernels.all_reduce``):
     ``xla`` (``psum``) or ``one_shot`` (two GPUs; ``setup_one_shot`` must have run).
+    ``all_to_all``: likewise for SP mode's two exchanges a layer (``xla``: NCCL's all-to-all).
 
     ``sample_in_step=False``: every row gets its most likely token (the alternatives'
     columns zero) and the logits are returned, so that the engine samples separately, and
@@ -82,7 +83,9 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", lay
         raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
     if all_reduce not in ALL_REDUCES:
         raise ValueError(f"all_reduce must be one of {ALL_REDUCES}, got {all_reduce!r}")
-    if all_reduce == "one_shot" and weights.mesh.size == 2:
+    if all_to_all not in ALL_TO_ALLS:
+        raise ValueError(f"all_to_all must be one of {ALL_TO_ALLS}, got {all_to_all!r}")
+    if "one_shot" in (all_reduce, all_to_all) and weights.mesh.size == 2:
         check_one_shot_ready(weights.mesh.devices.flat)
     config, dims, mesh = weights.config, weights.dims, weights.mesh
     inv_freq = tuple(rope_inverse_frequencies(config))
@@ -94,7 +97,8 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", lay
 
     def local_step(param_leaves, k_cache, v_cache, batch: StepBatch):
         params: ShardedParams = param_tree.unflatten(param_leaves)
-        ctx = Context(dims, config.rms_norm_eps, jnp.asarray(inv_freq, jnp.float32), batch, attention, all_reduce)
+        ctx = Context(dims, config.rms_norm_eps, jnp.asarray(inv_freq, jnp.float32), batch, attention, all_reduce,
+                      all_to_all)
         x = embed_tokens(batch.token_ids, params.embed, dims)
         if mode == "sp":
             local_tokens = x.shape[0] // dims.sp

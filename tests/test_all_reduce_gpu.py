@@ -1,7 +1,8 @@
-"""The one-shot all-reduce kernel (kernels/one_shot_all_reduce.cu) on two GPUs, against
-XLA's psum (NCCL) on the same GPUs: the same sums bit for bit, on both mesh orientations,
-at a decode step's and a prefill step's sizes, call after call (the kernel alternates two
-receive slots and counts its calls on the device). Run on 2x H200 by
+"""The one-shot kernels (kernels/one_shot_all_reduce.cu) on two GPUs, against XLA's
+collectives (NCCL) on the same GPUs: the all-reduce's sums and the all-to-all's blocks the
+same bit for bit, on both mesh orientations, at a decode step's and a prefill step's sizes,
+call after call (the kernels alternate two receive slots and count their calls on the
+device, one count for both). Run on 2x H200 by
 ``benchmarks/run_gpu_x2.sh`` (part ``tests``); skipped without two CUDA devices."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shiftjax.kernels.all_reduce import all_reduce, setup_one_shot
+from shiftjax.kernels.all_reduce import all_reduce, all_to_all, setup_one_shot
 from shiftjax.layouts.mesh import SP, TP, make_mesh
 
 pytestmark = [
@@ -66,6 +67,54 @@ def test_one_shot_inside_a_cuda_graph_equals_psum(rows):
         x = jax.device_put(jax.random.normal(jax.random.key(seed), (2 * rows, 512), jnp.bfloat16),
                            NamedSharding(mesh, spec))
         got, want = np.asarray(one_shot(x, w)), np.asarray(xla(x, w))
+        assert (got.view(np.uint16) == want.view(np.uint16)).all(), seed
+
+
+@pytest.mark.parametrize("shape", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("split_axis, dims", [(1, (1, 2, 6144)), (1, (2048, 2, 3072)), (0, (2, 8, 4096)),
+                                              (0, (2, 2048, 4096)), (2, (3, 4, 16))])
+def test_one_shot_all_to_all_equals_xla(shape, split_axis, dims):
+    """SP's two exchanges a layer (split the q|k|v blocks, then the tokens), at decode and
+    prefill sizes, and a split of the last axis; over the mesh axis that has the two GPUs."""
+    mesh = make_mesh(*shape, jax.devices()[:2])
+    axis = SP if shape[0] == 2 else TP
+    spec = P(axis)
+
+    def exchanged(implementation):
+        return jax.jit(jax.shard_map(lambda x: all_to_all(x, axis, split_axis, implementation), mesh=mesh,
+                                     in_specs=spec, out_specs=spec, check_vma=False))
+    one_shot, xla = exchanged("one_shot"), exchanged("xla")
+    assert "shiftjax_one_shot_all_to_all" in one_shot.lower(jnp.zeros((2 * dims[0], *dims[1:]), jnp.bfloat16)).as_text()
+    for seed in range(4):
+        x = jax.device_put(jax.random.normal(jax.random.key(seed), (2 * dims[0], *dims[1:]), jnp.bfloat16),
+                           NamedSharding(mesh, spec))
+        got, want = np.asarray(one_shot(x)), np.asarray(xla(x))
+        assert got.shape == want.shape
+        assert (got.view(np.uint16) == want.view(np.uint16)).all(), seed
+
+
+@pytest.mark.parametrize("rows", [8, 512])
+def test_one_shot_all_to_all_and_all_reduce_inside_a_cuda_graph(rows):
+    """Exchanges and sums interleaved in one jit (one call count on the device for both),
+    replayed twenty times: XLA's results bit for bit. Between them only exact operations (a
+    roll, halving), so that no GEMM XLA may tune differently in the two programs rounds
+    otherwise."""
+    mesh = make_mesh(2, 1, jax.devices()[:2])
+    spec = P(SP)
+
+    def chain(implementation):
+        def body(x):
+            for _ in range(4):
+                y = all_to_all(jnp.roll(x, 1, axis=1).reshape(rows, 2, 128), SP, 1, implementation)  # [2 rows, 1, 128]
+                y = all_to_all(y.reshape(2, rows, 128), SP, 0, implementation).reshape(rows, 256)
+                x = all_reduce(y, (SP,), implementation) * 0.5
+            return x
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    one_shot, xla = chain("one_shot"), chain("xla")
+    for seed in range(20):
+        x = jax.device_put(jax.random.normal(jax.random.key(seed), (2 * rows, 256), jnp.bfloat16),
+                           NamedSharding(mesh, spec))
+        got, want = np.asarray(one_shot(x)), np.asarray(xla(x))
         assert (got.view(np.uint16) == want.view(np.uint16)).all(), seed
 
 
