@@ -2,12 +2,13 @@
 
 SP mode exchanges, per layer and device, half of its q|k|v block (2048 tokens x 3072 bf16
 for Llama-3.1-8B at 2 x 2048 tokens, 12.6 MB) and half of its attention output (2048 x
-2048, 8.4 MB). Measured here, per exchange, in chains of ``CHAIN`` inside one jit:
+2048, 8.4 MB); fewer tokens, less. Measured here, per exchange, in chains of ``CHAIN``
+inside one jit, at those sizes and smaller ones:
 
 - ``nccl``: ``lax.all_to_all`` (what XLA ships);
-- ``kernel_t{threads}_b{blocks}``: shiftjax's one-shot all-to-all
-  (``kernels/one_shot_all_reduce.cu``) built with ``threads`` per block and at most
-  ``blocks`` blocks (``t512_b132`` ships), each build registered under its own target;
+- ``kernel``: shiftjax's one-shot all-to-all (``kernels/one_shot_all_reduce.cu``: the SMs
+  store into the peer), and builds of it (``VARIANTS``) with other block sizes, grid caps and
+  loads in flight per thread, each registered under its own target;
 
 and, in a separate process (``--ceiling``, PyTorch), the copy engines' peer copy of 256 MiB,
 one direction and both at once: the link's ceiling to hold the rates against. Every
@@ -27,9 +28,14 @@ import sys
 import time
 
 CHAIN = 16
-SHAPES = {"qkv": ((2048, 2, 3072), 1), "attention_out": ((2, 2048, 2048), 0)}  # per device, split axis
-VARIANTS = {"t512_b132": (512, 132), "t512_b264": (512, 264), "t512_b528": (512, 528),
-            "t1024_b132": (1024, 132), "t1024_b264": (1024, 264), "t256_b528": (256, 528)}
+SHAPES = {"qkv_32": ((32, 2, 3072), 1), "qkv_128": ((128, 2, 3072), 1), "qkv_512": ((512, 2, 3072), 1),
+          "attention_out_512": ((2, 512, 2048), 0), "qkv_1024": ((1024, 2, 3072), 1),
+          "attention_out": ((2, 2048, 2048), 0), "qkv": ((2048, 2, 3072), 1)}  # per device; split axis
+# builds: (threads, most blocks, words a thread loads before it stores); (512, 132, 1) ships.
+# (A first call, when the kernel also copied its own half in the sending loop, measured
+# 512/264, 512/528, 1024/132, 1024/264 and 256/528: none clearly faster.)
+VARIANTS = {"t256_b528": (256, 528, 1), "batch4": (512, 132, 4), "batch8": (512, 132, 8),
+            "t256_b528_batch4": (256, 528, 4)}
 
 
 def ceiling(repeats: int = 5, mib: int = 256) -> dict:
@@ -69,12 +75,15 @@ def exchanges(smoke: bool) -> dict:
     from shiftjax.kernels import all_reduce as kernels
 
     mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    first = kernels.first_ordinal_of(mesh)
     targets = {"nccl": None}
     if not smoke:
+        kernels.setup_one_shot(mesh.devices.flat, require_nvlink=True)
+        targets.update(kernel=kernels.EXCHANGE_TARGET)
         ordinals = sorted(int(d.local_hardware_id) for d in mesh.devices.flat)
-        for name, (threads, blocks) in VARIANTS.items():
-            path = kernels._compiled(mesh.devices.flat[0], None,
-                                     (f"SHIFTJAX_THREADS={threads}", f"SHIFTJAX_MAX_BLOCKS={blocks}"))
+        for name, (threads, blocks, batch) in VARIANTS.items():
+            path = kernels._compiled(mesh.devices.flat[0], None, (
+                f"SHIFTJAX_THREADS={threads}", f"SHIFTJAX_MAX_BLOCKS={blocks}", f"SHIFTJAX_EXCHANGE_BATCH={batch}"))
             library = ctypes.CDLL(str(path))
             library.shiftjax_all_reduce_setup.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_int)
             library.shiftjax_all_reduce_error.restype = ctypes.c_char_p
@@ -86,7 +95,7 @@ def exchanges(smoke: bool) -> dict:
     out = {}
     for shape_name, (shape, split_axis) in SHAPES.items():
         if smoke:
-            shape = (shape[0] // 64, shape[1], shape[2] // 64) if split_axis == 1 else (2, 32, 64)
+            shape = (max(shape[0] // 64, 1), shape[1], shape[2] // 64) if split_axis == 1 else (2, 32, 64)
         half_bytes = int(jnp.zeros(shape, jnp.bfloat16).nbytes) // 2
         x = jax.device_put(jax.random.normal(jax.random.key(0), (2 * shape[0], *shape[1:]), jnp.bfloat16),
                            NamedSharding(mesh, P("x")))
@@ -95,7 +104,7 @@ def exchanges(smoke: bool) -> dict:
             def body(block, target=target):
                 for _ in range(CHAIN):  # a permutation each: the values stay bounded, no extra kernels
                     moved = (jax.lax.all_to_all(block, "x", split_axis, 0, tiled=True) if target is None
-                             else kernels.exchange_call(block, "x", split_axis, target))
+                             else kernels.exchange_call(block, split_axis, target, first))
                     block = moved.reshape(shape)
                 return block
             fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
@@ -104,7 +113,7 @@ def exchanges(smoke: bool) -> dict:
             seconds = min(time_fn(fn, x, warmup=2, iters=10) for _ in range(3)) / CHAIN
             rows[name] = {"us": seconds * 1e6, "GBps_each_way": half_bytes / seconds / 1e9,
                           "equals_nccl": bool((got == want).all())}
-            print(f"  {shape_name:14s} {name:11s} {seconds * 1e6:8.1f} us  {half_bytes / seconds / 1e9:6.1f} GB/s "
+            print(f"  {shape_name:17s} {half_bytes:>9d} B {name:16s} {seconds * 1e6:8.1f} us  {half_bytes / seconds / 1e9:6.1f} GB/s "
                   f"each way  equals NCCL {rows[name]['equals_nccl']}", flush=True)
         out[shape_name] = {"half_bytes": half_bytes, **rows}
     return out

@@ -481,7 +481,8 @@ def collectives(smoke: bool) -> dict:
     measured = {"all_reduce_s": reduce, "all_to_all_s": exchange}
     if kernels:
         measured["one_shot_all_reduce_s"] = chained(lambda x: collective_kernels.all_reduce(x, ("x",), "one_shot"))
-        measured["one_shot_all_to_all_s"] = chained(lambda x: collective_kernels.all_to_all(x, "x", 0, "one_shot"))
+        measured["one_shot_all_to_all_s"] = chained(lambda x: collective_kernels.all_to_all(
+            x, "x", 0, "one_shot", collective_kernels.first_ordinal_of(mesh)))
     for size in sizes:
         x = jax.device_put(jnp.ones((2 * size // 2,), jnp.bfloat16), NamedSharding(mesh, P("x")))
         for name, fn in measured.items():

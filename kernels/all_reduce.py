@@ -72,36 +72,44 @@ def all_reduce(x: Float[Array, "*shape"], axes: tuple[str, ...], implementation:
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
 
 
-def all_to_all(x: Float[Array, "*shape"], axis: str, split_axis: int, implementation: str = "xla"
-               ) -> Float[Array, "*out_shape"]:
+def all_to_all(x: Float[Array, "*shape"], axis: str, split_axis: int, implementation: str = "xla",
+               first_ordinal: int | None = None) -> Float[Array, "*out_shape"]:
     """``lax.all_to_all(x, axis, split_axis, 0, tiled=True)`` (inside ``shard_map``) by
     ``implementation``. ``one_shot`` applies where ``axis`` spans the mesh's two devices,
     ``x`` is bf16, each half's rows are whole 16-byte words and a half fits
-    ``DEFAULT_CAPACITY_BYTES``; elsewhere, and for ``xla``, XLA's all-to-all (NCCL)."""
+    ``DEFAULT_CAPACITY_BYTES``; elsewhere, and for ``xla``, XLA's all-to-all (NCCL). ``first_ordinal``: the CUDA ordinal of the mesh's first device (the
+    kernels learn their rank on ``axis`` from it; ``steps.make_step`` passes it)."""
     if implementation not in ALL_TO_ALLS:
         raise ValueError(f"all_to_all must be one of {ALL_TO_ALLS}, got {implementation!r}")
     shape = x.shape
-    outer = int(np.prod(shape[:split_axis]))
+    half_bytes = x.size * x.dtype.itemsize // 2
     inner = int(np.prod(shape[split_axis:])) // 2  # elements of a half's row
     mesh_size = jax.sharding.get_abstract_mesh().size
     fits = (x.dtype == jax.numpy.bfloat16 and shape[split_axis] % 2 == 0 and inner % 8 == 0
-            and 2 * outer * inner <= DEFAULT_CAPACITY_BYTES)
+            and half_bytes <= DEFAULT_CAPACITY_BYTES)
     if implementation == "xla" or not lax.axis_size(axis) == mesh_size == 2 or not fits:
         return lax.all_to_all(x, axis, split_axis, 0, tiled=True)
-    return exchange_call(x, axis, split_axis, EXCHANGE_TARGET)
+    if first_ordinal is None:
+        raise ValueError("all_to_all one_shot needs first_ordinal, the CUDA ordinal of the mesh's first device")
+    return exchange_call(x, split_axis, EXCHANGE_TARGET, first_ordinal)
 
 
-def exchange_call(x, axis: str, split_axis: int, target: str):
-    """The kernel's custom call ``target`` for ``all_to_all`` (which checks it applies)."""
+def exchange_call(x, split_axis: int, target: str, first_ordinal: int):
+    """The custom call ``target`` (the library's all-to-all, or a benchmark's build of it)
+    for ``all_to_all``, which checks that it applies."""
     shape = x.shape
     outer = int(np.prod(shape[:split_axis]))
     inner = int(np.prod(shape[split_axis:])) // 2
     out_shape = (2 * shape[0], *shape[1:]) if split_axis else shape
     out_shape = tuple(n // 2 if i == split_axis and split_axis else n for i, n in enumerate(out_shape))
-    rank = lax.axis_index(axis).astype(jax.numpy.int32)
     out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((2 * outer * inner,), x.dtype))(
-        x.reshape(-1), rank, outer=np.int64(outer), inner=np.int64(inner))
+        x.reshape(-1), outer=np.int64(outer), inner=np.int64(inner), first_ordinal=np.int64(first_ordinal))
     return out.reshape(out_shape)
+
+
+def first_ordinal_of(mesh) -> int:
+    """The ``first_ordinal`` of ``all_to_all`` for ``mesh``."""
+    return int(mesh.devices.flat[0].local_hardware_id)
 
 
 def setup_one_shot(devices, *, require_nvlink: bool = False, cache_dir: str | None = None) -> None:

@@ -41,6 +41,9 @@ namespace {
 #ifndef SHIFTJAX_THREADS
 #define SHIFTJAX_THREADS 512
 #endif
+#ifndef SHIFTJAX_EXCHANGE_BATCH
+#define SHIFTJAX_EXCHANGE_BATCH 1
+#endif
 constexpr int kMaxBlocks = SHIFTJAX_MAX_BLOCKS;  // flags per slot; the grid is also capped by what is resident
 constexpr int kThreads = SHIFTJAX_THREADS;
 constexpr int kMaxDevices = 16;      // CUDA ordinals this process may name
@@ -133,17 +136,16 @@ __global__ void __launch_bounds__(kThreads) one_shot_kernel(
 }
 
 // The all-to-all of two GPUs (tiled, concatenated on axis 0), by the same protocol: x is
-// [outer][2][inner] words, out [2][outer][inner]. The caller's index on the exchanged mesh
-// axis (a device scalar: both GPUs run the same program) says which half stays: rank r keeps
-// x[:, r] as out[r] and writes x[:, 1 - r] into the peer's receive slot, which becomes the
-// peer's out[r]; then it waits for the peer's half and copies it to out[1 - r].
+// [outer][2][inner] words, out [2][outer][inner]. The caller's rank r on the exchanged mesh
+// axis says which half stays: it keeps x[:, r] as out[r] and writes x[:, 1 - r] into the
+// peer's receive slot, which becomes the peer's out[r]; then it waits for the peer's half
+// and copies it to out[1 - r].
 __global__ void __launch_bounds__(kThreads) exchange_kernel(
-    const uint4* __restrict__ x, uint4* __restrict__ out, const int32_t* __restrict__ axis_index,
+    const uint4* __restrict__ x, uint4* __restrict__ out, uint32_t rank,
     uint32_t outer, uint32_t inner, DeviceState mine, DeviceState peer, size_t slot_bytes) {
   const uint64_t call = *reinterpret_cast<volatile unsigned long long*>(mine.counters);
   const uint64_t slot = call & 1u;
   const uint64_t tag = call + 1u;
-  const uint32_t rank = *axis_index != 0;
   const uint32_t words = outer * inner;  // per half
   const uint32_t per_block = (words + gridDim.x - 1) / gridDim.x;
   const uint32_t begin = blockIdx.x * per_block;
@@ -151,17 +153,37 @@ __global__ void __launch_bounds__(kThreads) exchange_kernel(
 
   uint4* peer_words = reinterpret_cast<uint4*>(peer.receive + slot * slot_bytes);
   uint4* kept = out + rank * words;
-#pragma unroll 4
-  for (uint32_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    const uint32_t row = i / inner;
-    const uint32_t source = i + row * inner;  // row * 2 * inner + (i - row * inner)
-    peer_words[i] = x[source + (1 - rank) * inner];
-    kept[i] = x[source + rank * inner];
+  // word i of half h of x: row i / inner of [outer][2][inner]
+  auto x_word = [&](uint32_t i, uint32_t h) { return x[i + (i / inner) * inner + h * inner]; };
+#if SHIFTJAX_EXCHANGE_BATCH > 1
+  // loads of kBatch words in flight per thread before their stores over NVLink
+  constexpr uint32_t kBatch = SHIFTJAX_EXCHANGE_BATCH;
+  for (uint32_t first = begin + threadIdx.x; first < end; first += kBatch * blockDim.x) {
+    uint4 words_in_flight[kBatch];
+#pragma unroll
+    for (uint32_t k = 0; k < kBatch; ++k) {
+      const uint32_t i = first + k * blockDim.x;
+      if (i < end) words_in_flight[k] = x_word(i, 1 - rank);
+    }
+#pragma unroll
+    for (uint32_t k = 0; k < kBatch; ++k) {
+      const uint32_t i = first + k * blockDim.x;
+      if (i < end) peer_words[i] = words_in_flight[k];
+    }
   }
+#else
+#pragma unroll 4
+  for (uint32_t i = begin + threadIdx.x; i < end; i += blockDim.x) peer_words[i] = x_word(i, 1 - rank);
+#endif
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();
     store_release(peer.flags + slot * kMaxBlocks + blockIdx.x, tag);
+  }
+  // my own half, while the peer's is on its way
+#pragma unroll 4
+  for (uint32_t i = begin + threadIdx.x; i < end; i += blockDim.x) kept[i] = x_word(i, rank);
+  if (threadIdx.x == 0) {
     const uint64_t began = now_ns();
     while (load_acquire(mine.flags + slot * kMaxBlocks + blockIdx.x) != tag) {
       if (now_ns() - began > kPeerTimeoutNs) {
@@ -232,35 +254,51 @@ ffi::Error all_reduce(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16
   return ffi::Error::Success();
 }
 
-ffi::Error all_to_all(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> axis_index,
-                      ffi::ResultBuffer<ffi::BF16> out, int64_t outer, int64_t inner) {
-  int rank = rank_of(device);
-  if (rank < 0) {
+// Checks an all-to-all's operands; sets *rank (0: this device is first on the exchanged axis).
+ffi::Error check_exchange(const char* name, int32_t device, int64_t first_ordinal, int64_t elements, int64_t outer,
+                          int64_t inner, int* rank) {
+  const int member = rank_of(device);
+  if (member < 0 || rank_of(static_cast<int32_t>(first_ordinal)) < 0) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "shiftjax one-shot all-to-all: device " + std::to_string(device) +
-                          " is not in the group set up by shiftjax_all_reduce_setup");
+                      std::string(name) + ": devices " + std::to_string(device) + " and " +
+                          std::to_string(first_ordinal) + " are not the group set up by shiftjax_all_reduce_setup");
   }
-  const int64_t n = static_cast<int64_t>(x.element_count());
+  *rank = device == first_ordinal ? 0 : 1;
   const size_t half_bytes = static_cast<size_t>(outer) * static_cast<size_t>(inner) * 2;
-  if (outer < 1 || inner < 8 || inner % 8 != 0 || n != 2 * outer * inner || half_bytes > capacity ||
-      axis_index.element_count() != 1) {
+  if (outer < 1 || inner < 8 || inner % 8 != 0 || elements != 2 * outer * inner || half_bytes > capacity ||
+      outer * inner / 8 > UINT32_MAX) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "shiftjax one-shot all-to-all: " + std::to_string(n) + " elements as [" +
-                          std::to_string(outer) + "][2][" + std::to_string(inner) +
-                          "]: need inner a multiple of 8 and a half of at most " + std::to_string(capacity) + " bytes");
-  }
-  int64_t blocks = (static_cast<int64_t>(half_bytes) + 16383) / 16384;
-  blocks = blocks < 1 ? 1 : blocks > max_blocks ? max_blocks : blocks;
-  exchange_kernel<<<static_cast<int>(blocks), kThreads, 0, stream>>>(
-      reinterpret_cast<const uint4*>(x.typed_data()), reinterpret_cast<uint4*>(out->typed_data()),
-      axis_index.typed_data(), static_cast<uint32_t>(outer), static_cast<uint32_t>(inner / 8), states[rank],
-      states[1 - rank], capacity);
-  cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) {
-    return ffi::Error(ffi::ErrorCode::kInternal, std::string("one-shot all-to-all launch: ") +
-                                                     cudaGetErrorString(status));
+                      std::string(name) + ": " + std::to_string(elements) + " elements as [" + std::to_string(outer) +
+                          "][2][" + std::to_string(inner) + "]: need inner a multiple of 8 and a half of at most " +
+                          std::to_string(capacity) + " bytes");
   }
   return ffi::Error::Success();
+}
+
+ffi::Error launched(const char* what) {
+  cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) {
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string(what) + ": " + cudaGetErrorString(status));
+  }
+  return ffi::Error::Success();
+}
+
+int exchange_blocks(size_t half_bytes) {
+  int64_t blocks = (static_cast<int64_t>(half_bytes) + 16383) / 16384;
+  return static_cast<int>(blocks < 1 ? 1 : blocks > max_blocks ? max_blocks : blocks);
+}
+
+ffi::Error all_to_all(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x, ffi::ResultBuffer<ffi::BF16> out,
+                      int64_t outer, int64_t inner, int64_t first_ordinal) {
+  int rank = 0;
+  ffi::Error checked = check_exchange("shiftjax one-shot all-to-all", device, first_ordinal,
+                                      static_cast<int64_t>(x.element_count()), outer, inner, &rank);
+  if (checked.failure()) return checked;
+  exchange_kernel<<<exchange_blocks(outer * inner * 2), kThreads, 0, stream>>>(
+      reinterpret_cast<const uint4*>(x.typed_data()), reinterpret_cast<uint4*>(out->typed_data()),
+      static_cast<uint32_t>(rank), static_cast<uint32_t>(outer), static_cast<uint32_t>(inner / 8), states[rank],
+      states[1 - rank], capacity);
+  return launched("one-shot all-to-all launch");
 }
 
 }  // namespace
@@ -278,10 +316,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ShiftjaxOneShotAllToAll, all_to_all,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>()
                                   .Attr<int64_t>("outer")
-                                  .Attr<int64_t>("inner"),
+                                  .Attr<int64_t>("inner")
+                                  .Attr<int64_t>("first_ordinal"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 extern "C" {

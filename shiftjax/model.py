@@ -60,7 +60,7 @@ class Context:
     """Static facts and per-step inputs that every layer of one step reads."""
 
     def __init__(self, dims: LocalDims, eps: float, inv_freq, batch: StepBatch, attention: str,
-                 all_reduce: str = "xla", all_to_all: str = "xla"):
+                 all_reduce: str = "xla", all_to_all: str = "xla", first_ordinal: int | None = None):
         self.dims = dims
         self.eps = eps
         self.inv_freq = inv_freq
@@ -68,6 +68,7 @@ class Context:
         self.attention = attention
         self.all_reduce = all_reduce  # kernels.all_reduce.ALL_REDUCES: who sums the layers' partials
         self.all_to_all = all_to_all  # kernels.all_reduce.ALL_TO_ALLS: who does SP mode's exchanges
+        self.first_ordinal = first_ordinal  # the mesh's first CUDA device (the exchange kernels' ranks)
 
     @property
     def metadata(self) -> AttentionMetadata:
@@ -127,11 +128,11 @@ def sp_layer(x, w: LayerWeights, k_cache, v_cache, layer, ctx: Context):
     h = rms_norm(x, w.attn_norm, ctx.eps)
     qkv = _column_blocks(h, w.wqkv, dims.sp)  # [local_tokens, sp, qkv]
     # One all-to-all for q, k and v: split head blocks over sp, gather all tokens.
-    qkv = all_to_all(qkv, SP, 1, ctx.all_to_all)
+    qkv = all_to_all(qkv, SP, 1, ctx.all_to_all, ctx.first_ordinal)
     attn, k_cache, v_cache = attention_core(qkv[:, 0], w.bqkv, k_cache, v_cache, layer, ctx)
     # The inverse: split tokens over sp, gather every head block of the TP shard.
     attn = attn.reshape(dims.sp, local_tokens, -1)
-    attn = all_to_all(attn, SP, 0, ctx.all_to_all)
+    attn = all_to_all(attn, SP, 0, ctx.all_to_all, ctx.first_ordinal)
     attn = jnp.swapaxes(attn, 0, 1)  # [local_tokens, sp, q_width]
     x = x + all_reduce(_row_blocks(attn, w.wo), (TP,), ctx.all_reduce)
     h = rms_norm(x, w.mlp_norm, ctx.eps)

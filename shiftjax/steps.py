@@ -20,7 +20,7 @@ from jax import lax
 from shiftjax.batch import StepBatch
 from shiftjax.cache import KVCache
 from shiftjax.config import rope_inverse_frequencies
-from shiftjax.kernels.all_reduce import ALL_REDUCES, ALL_TO_ALLS, check_one_shot_ready
+from shiftjax.kernels.all_reduce import ALL_REDUCES, ALL_TO_ALLS, check_one_shot_ready, first_ordinal_of
 from shiftjax.layouts.mesh import SP
 from shiftjax.layouts.specs import CACHE_SPEC, REPLICATED
 from shiftjax.model import (
@@ -98,7 +98,7 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", lay
     def local_step(param_leaves, k_cache, v_cache, batch: StepBatch):
         params: ShardedParams = param_tree.unflatten(param_leaves)
         ctx = Context(dims, config.rms_norm_eps, jnp.asarray(inv_freq, jnp.float32), batch, attention, all_reduce,
-                      all_to_all)
+                      all_to_all, first_ordinal_of(mesh))
         x = embed_tokens(batch.token_ids, params.embed, dims)
         if mode == "sp":
             local_tokens = x.shape[0] // dims.sp

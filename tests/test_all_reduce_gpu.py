@@ -14,7 +14,13 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shiftjax.kernels.all_reduce import all_reduce, all_to_all, setup_one_shot
+from shiftjax.kernels.all_reduce import (
+    EXCHANGE_TARGET,
+    all_reduce,
+    all_to_all,
+    first_ordinal_of,
+    setup_one_shot,
+)
 from shiftjax.layouts.mesh import SP, TP, make_mesh
 
 pytestmark = [
@@ -70,21 +76,22 @@ def test_one_shot_inside_a_cuda_graph_equals_psum(rows):
         assert (got.view(np.uint16) == want.view(np.uint16)).all(), seed
 
 
-@pytest.mark.parametrize("shape", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("shape, order", [((2, 1), 1), ((1, 2), 1), ((2, 1), -1)])
 @pytest.mark.parametrize("split_axis, dims", [(1, (1, 2, 6144)), (1, (2048, 2, 3072)), (0, (2, 8, 4096)),
-                                              (0, (2, 2048, 4096)), (2, (3, 4, 16))])
-def test_one_shot_all_to_all_equals_xla(shape, split_axis, dims):
+                                              (0, (2, 2048, 4096)), (2, (3, 4, 16)), (1, (512, 2, 1024))])
+def test_one_shot_all_to_all_equals_xla(shape, order, split_axis, dims):
     """SP's two exchanges a layer (split the q|k|v blocks, then the tokens), at decode and
-    prefill sizes, and a split of the last axis; over the mesh axis that has the two GPUs."""
-    mesh = make_mesh(*shape, jax.devices()[:2])
+    prefill sizes, and a split of the last axis; over the mesh axis that has the two GPUs, in either
+    order of the GPUs."""
+    mesh = make_mesh(*shape, jax.devices()[:2][::order])
     axis = SP if shape[0] == 2 else TP
     spec = P(axis)
 
     def exchanged(implementation):
-        return jax.jit(jax.shard_map(lambda x: all_to_all(x, axis, split_axis, implementation), mesh=mesh,
-                                     in_specs=spec, out_specs=spec, check_vma=False))
+        return jax.jit(jax.shard_map(lambda x: all_to_all(x, axis, split_axis, implementation, first_ordinal_of(mesh)),
+                                     mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
     one_shot, xla = exchanged("one_shot"), exchanged("xla")
-    assert "shiftjax_one_shot_all_to_all" in one_shot.lower(jnp.zeros((2 * dims[0], *dims[1:]), jnp.bfloat16)).as_text()
+    assert EXCHANGE_TARGET in one_shot.lower(jnp.zeros((2 * dims[0], *dims[1:]), jnp.bfloat16)).as_text()
     for seed in range(4):
         x = jax.device_put(jax.random.normal(jax.random.key(seed), (2 * dims[0], *dims[1:]), jnp.bfloat16),
                            NamedSharding(mesh, spec))
@@ -93,9 +100,9 @@ def test_one_shot_all_to_all_equals_xla(shape, split_axis, dims):
         assert (got.view(np.uint16) == want.view(np.uint16)).all(), seed
 
 
-@pytest.mark.parametrize("rows", [8, 512])
+@pytest.mark.parametrize("rows", [8, 512, 4096])
 def test_one_shot_all_to_all_and_all_reduce_inside_a_cuda_graph(rows):
-    """Exchanges and sums interleaved in one jit (one call count on the device for both),
+    """Exchanges and sums interleaved in one jit (each protocol counts its calls on the device),
     replayed twenty times: XLA's results bit for bit. Between them only exact operations (a
     roll, halving), so that no GEMM XLA may tune differently in the two programs rounds
     otherwise."""
@@ -105,8 +112,10 @@ def test_one_shot_all_to_all_and_all_reduce_inside_a_cuda_graph(rows):
     def chain(implementation):
         def body(x):
             for _ in range(4):
-                y = all_to_all(jnp.roll(x, 1, axis=1).reshape(rows, 2, 128), SP, 1, implementation)  # [2 rows, 1, 128]
-                y = all_to_all(y.reshape(2, rows, 128), SP, 0, implementation).reshape(rows, 256)
+                y = all_to_all(jnp.roll(x, 1, axis=1).reshape(rows, 2, 128), SP, 1, implementation,
+                               first_ordinal_of(mesh))  # [2 rows, 1, 128]
+                y = all_to_all(y.reshape(2, rows, 128), SP, 0, implementation, first_ordinal_of(mesh))
+                y = y.reshape(rows, 256)
                 x = all_reduce(y, (SP,), implementation) * 0.5
             return x
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
