@@ -6,7 +6,7 @@ for Llama-3.1-8B at 2 x 2048 tokens, 12.6 MB) and half of its attention output (
 inside one jit, at those sizes and smaller ones:
 
 - ``nccl``: ``lax.all_to_all`` (what XLA ships);
-- ``kernel``: shiftjax's one-shot all-to-all (``kernels/one_shot_all_reduce.cu``: the SMs
+- ``kernel``: shiftjax's one-shot all-to-all (``kernels/one_shot_collectives.cu``: the SMs
   store into the peer), and builds of it (``VARIANTS``) with other block sizes, grid caps and
   loads in flight per thread, each registered under its own target;
 
@@ -72,7 +72,7 @@ def exchanges(smoke: bool) -> dict:
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from roofline import time_fn
-    from shiftjax.kernels import all_reduce as kernels
+    from shiftjax.kernels import collectives as kernels
 
     mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
     first = kernels.first_ordinal_of(mesh)

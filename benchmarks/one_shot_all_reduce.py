@@ -8,7 +8,7 @@ adds, is one kernel: it may be quicker, and XLA may keep it inside one graph.
 Variants, each on mesh (sp, tp) = (1, 2) and (2, 1), summing over both axes as TP mode does:
 
 - ``psum``: ``lax.psum`` over sp then tp (NCCL), what ships;
-- ``ffi_one_shot``: shiftjax's one-shot kernel (``kernels/one_shot_all_reduce.cu``), an XLA
+- ``ffi_one_shot``: shiftjax's one-shot kernel (``kernels/one_shot_collectives.cu``), an XLA
   FFI call with its buffers set up once, which XLA may keep inside its CUDA graphs;
 - ``one_shot_blocks``: the kernel, one block per 2048-element chunk, a semaphore pair each;
 - ``one_shot_single``: the kernel, one block looping over the chunks, one semaphore pair.
@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from roofline import device_time, time_fn  # noqa: E402
 
-from shiftjax.kernels.all_reduce import all_reduce, psum_reference, setup_one_shot  # noqa: E402
+from shiftjax.kernels.collectives import all_reduce, psum_reference, setup_one_shot  # noqa: E402
 
 CHUNK = 2048  # elements one block moves: 4 KiB of bf16, 16 per thread of a warpgroup
 
@@ -108,7 +108,7 @@ def one_shot(x, *, per_block: bool):
 
 
 def ffi_one_shot(x):
-    """shiftjax's own kernel (kernels/one_shot_all_reduce.cu, an XLA FFI call)."""
+    """shiftjax's own kernel (kernels/one_shot_collectives.cu, an XLA FFI call)."""
     return all_reduce(x, ("sp", "tp"), "one_shot")
 
 

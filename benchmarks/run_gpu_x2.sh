@@ -2,7 +2,7 @@
 # Issue 8 on two H200s in one device call (kind nvidia-h200-x2): ceilings, correctness, the
 # step table and the engine loop (benchmarks/shift_x2.py), each part in its own process
 # so that one failure or timeout keeps the others' numbers; the part "tests" runs the two-GPU
-# tests (tests/test_all_reduce_gpu.py; not a default part); the part "startup" is target 5,
+# tests (tests/test_collectives_gpu.py; not a default part); the part "startup" is target 5,
 # `serve`'s default ladder started cold and from the executable store (benchmarks/startup.py,
 # GEMMs by $STARTUP_GEMM, default cublas; $STARTUP_PAGES KV-cache pages, 0: sized from memory as
 # serve's default, default 4096).
@@ -15,7 +15,7 @@ nvidia-smi topo -m >> "$OUT/env.txt" 2>&1
 for part in ${PARTS:-ceilings correct steps_mesh steps_1gpu engine startup}; do
   mkdir -p "$OUT/$part"
   if [ "$part" = tests ]; then  # the two-GPU tests (tests/conftest.py would make the devices CPUs)
-    timeout "${PART_TIMEOUT:-240}" python3 -P -m pytest --noconftest -q -p no:cacheprovider tests/test_all_reduce_gpu.py \
+    timeout "${PART_TIMEOUT:-240}" python3 -P -m pytest --noconftest -q -p no:cacheprovider tests/test_collectives_gpu.py \
       2>&1 | tee "$OUT/tests.log" | tail -5
     continue
   fi

@@ -27,7 +27,7 @@ from pathlib import Path
 import jax
 
 from shiftjax.cache import CacheConfig, allocate_cache
-from shiftjax.kernels.all_reduce import ALL_REDUCES, DEFAULT_CAPACITY_BYTES, setup_one_shot
+from shiftjax.kernels.collectives import ALL_REDUCES, ALL_TO_ALLS, DEFAULT_CAPACITY_BYTES, setup_one_shot
 from shiftjax.serving import executables as exe
 from shiftjax.serving import page_pool
 from shiftjax.serving.executable_store import ExecutableStore
@@ -59,12 +59,17 @@ class EngineConfig:
     # on the H200 cuBLAS compiles ~15x faster (and concurrently) and prefills 4-7% faster;
     # Triton decoded one sequence 1.07-1.09x faster (in a bucket of 1, which the default ladder lacks)
     gemm: str = "cublas"
-    # auto | xla | one_shot: who sums TP mode's partials over the devices (kernels/all_reduce.py):
+    # auto | xla | one_shot: who sums TP mode's partials over the devices (kernels/collectives.py):
     # XLA's psum (NCCL), or on a mesh of two GPUs shiftjax's one-shot kernel, which XLA keeps
     # inside its CUDA graphs (2x H200, Llama-3.1-8B shape, served TP decode 1.03-1.11x faster,
     # the same sums bit for bit; benchmarks/x2_results.md, "A one-shot all-reduce in the
     # graph"). auto: one_shot where the mesh is two GPUs and the kernel builds, else xla.
     all_reduce: str = "auto"
+    # auto | xla | one_shot: who does SP mode's two all-to-alls a layer, likewise: NCCL's, or on
+    # two GPUs shiftjax's one-shot exchange (the SMs store the peer's half into it over NVLink;
+    # 2x H200: 1.2-2.3x faster than NCCL's alone, 1.00-1.02x an 8B prefill step, the same bytes;
+    # benchmarks/x2_results.md, "SP's exchanges by a kernel of our own").
+    all_to_all: str = "auto"
     # executables compiled at once at start-up (default: executables.compile_workers)
     compile_workers: int | None = None
     cache_dtype: str | None = None  # default: the weights' dtype
@@ -88,6 +93,8 @@ class EngineConfig:
             raise ValueError(f"gemm must be one of {', '.join(exe.GEMM_BACKENDS)}, got {self.gemm!r}")
         if self.all_reduce not in ("auto", *ALL_REDUCES):
             raise ValueError(f"all_reduce must be one of auto, {', '.join(ALL_REDUCES)}, got {self.all_reduce!r}")
+        if self.all_to_all not in ("auto", *ALL_TO_ALLS):
+            raise ValueError(f"all_to_all must be one of auto, {', '.join(ALL_TO_ALLS)}, got {self.all_to_all!r}")
         if self.compile_workers is not None and self.compile_workers < 1:
             raise ValueError(f"compile_workers must be at least 1, got {self.compile_workers}")
         if self.num_pages is not None and self.num_pages < 2:
@@ -106,28 +113,33 @@ class EngineConfig:
         return self.num_pages or self.max_num_seqs * per_seq + 1
 
 
-def _choose_all_reduce(asked: str, mesh, report: Callable[[str], None], phase) -> str:
-    """``xla`` or ``one_shot`` for ``EngineConfig.all_reduce`` on this mesh, the one-shot
-    kernel set up where chosen. Asked for by name, it must work (ValueError / RuntimeError
-    saying why not); ``auto`` takes it on a mesh of two NVLink-joined GPUs of this process
-    where it builds, reporting why where it does not (the sums are the same either way)."""
+# what each collective's choice is called in reports: (the kernel's work, the kernel, XLA's)
+_COLLECTIVES = {"all_reduce": ("TP sums", "the one-shot all-reduce", "XLA's psum"),
+                "all_to_all": ("SP exchanges", "the one-shot all-to-all", "NCCL's all-to-all")}
+
+
+def _choose_collective(collective: str, asked: str, mesh, report: Callable[[str], None], phase) -> str:
+    """``xla`` or ``one_shot`` for ``EngineConfig.<collective>`` (``all_reduce`` or
+    ``all_to_all``) on this mesh, the one-shot kernels set up where chosen. Asked for by
+    name, it must work (ValueError / RuntimeError saying why not); ``auto`` takes it on a mesh
+    of two NVLink-joined GPUs of this process where it builds, reporting why where it does
+    not (the results are the same bytes either way)."""
+    work, kernel, fallback = _COLLECTIVES[collective]
     two_gpus = mesh.size == 2 and all(d.platform == "gpu" for d in mesh.devices.flat)
     if asked == "xla" or (asked == "auto" and not two_gpus):
         return "xla"
     if asked == "one_shot" and mesh.size != 2:
-        raise ValueError(f"all_reduce one_shot sums over two GPUs; this mesh has {mesh.size} devices")
+        raise ValueError(f"{collective} one_shot runs on two GPUs; this mesh has {mesh.size} devices")
     try:
-        with phase("all_reduce"):
-            # auto only where it was measured: GPUs joined by NVLink
+        with phase(f"{collective}_setup"):
+            # auto only where it was measured: GPUs joined by NVLink (a second set-up is a no-op)
             setup_one_shot(mesh.devices.flat, require_nvlink=asked == "auto")
-    except Exception as error:  # noqa: BLE001 - auto: whatever stops the kernel, psum does the same sums
+    except Exception as error:  # noqa: BLE001 - auto: whatever stops the kernel, XLA's gives the same bytes
         if asked == "one_shot":
             raise
-        report(f"TP sums by XLA's psum: the one-shot all-reduce is unavailable "
-               f"({type(error).__name__}: {error})")
+        report(f"{work} by {fallback}: {kernel} is unavailable ({type(error).__name__}: {error})")
         return "xla"
-    report(f"TP sums by the one-shot all-reduce ({DEFAULT_CAPACITY_BYTES // 2**20} MiB per receive slot; "
-           f"larger sums by XLA's psum)")
+    report(f"{work} by {kernel} ({DEFAULT_CAPACITY_BYTES // 2**20} MiB per receive slot; larger by {fallback})")
     return "one_shot"
 
 
@@ -213,11 +225,12 @@ class Engine:
         # Seconds per start-up phase, for the log and ServerInfo: a slow start says where it went.
         self.startup_seconds: dict[str, float] = {}
         # before any step is compiled or loaded: the one-shot kernel's buffers and FFI target
-        self.all_reduce = _choose_all_reduce(config.all_reduce, weights.mesh, report, self._phase)
+        self.all_reduce = _choose_collective("all_reduce", config.all_reduce, weights.mesh, report, self._phase)
+        self.all_to_all = _choose_collective("all_to_all", config.all_to_all, weights.mesh, report, self._phase)
         # The steps pack greedy tokens and return logits; self.samplers samples where a row asks.
         compile_options = dict(max_pages=max_pages, attention=config.attention, layer_loop=layer_loop, gemm=config.gemm,
                                max_top_logprobs=config.max_top_logprobs, sample_in_step=False,
-                               all_reduce=self.all_reduce)
+                               all_reduce=self.all_reduce, all_to_all=self.all_to_all)
         store = None
         if config.executable_store and jax.process_count() > 1:
             report("executable store off: a multi-process mesh would need one writer and agreed hits")

@@ -64,12 +64,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--gemm", choices=("triton", "cublas"), default="cublas",
                         help="who runs the GEMMs on GPUs: cuBLAS (compiles ~15x faster, prefills 4-7%% faster) "
                              "or XLA's autotuned Triton GEMMs (one sequence decoded 1.07-1.09x faster in a bucket of 1)")
-    # kernels.all_reduce.ALL_REDUCES (not imported, as above)
+    # kernels.collectives.ALL_REDUCES (not imported, as above)
     engine.add_argument("--all-reduce", choices=("auto", "xla", "one_shot"), default="auto",
                         help="who sums TP mode's partials over the GPUs: XLA's psum (NCCL), or on exactly two "
                              "GPUs shiftjax's one-shot kernel, compiled with nvcc on first use, which XLA keeps "
                              "inside its CUDA graphs (served TP decode 1.03-1.11x faster on 2x H200, the same "
                              "sums); auto: one_shot where the mesh is two GPUs and the kernel builds")
+    engine.add_argument("--all-to-all", choices=("auto", "xla", "one_shot"), default="auto",
+                        help="who does SP mode's all-to-alls: NCCL's, or on exactly two GPUs shiftjax's one-shot "
+                             "exchange (the same kernel library; 1.2-2.3x faster than NCCL's alone on 2x H200, "
+                             "the same bytes); auto: one_shot where the mesh is two GPUs and the kernel builds")
     engine.add_argument("--compile-workers", type=int, default=None,
                         help="executables compiled at once at start-up (default: all on the CPU; on GPUs "
                              "one with Triton GEMMs, whose autotuning serialises, and a quarter of the usable "
@@ -128,7 +132,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     return dict(mode=args.mode, shift_threshold=args.shift_threshold, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_queue=args.max_queue, page_size=args.page_size, attention=args.attention, gemm=args.gemm,
-                all_reduce=args.all_reduce, compile_workers=args.compile_workers,
+                all_reduce=args.all_reduce, all_to_all=args.all_to_all, compile_workers=args.compile_workers,
                 token_buckets=args.token_buckets, seq_buckets=args.seq_buckets, num_pages=args.num_pages,
                 kv_memory_fraction=args.kv_memory_fraction, max_top_logprobs=args.max_top_logprobs,
                 async_scheduling=args.async_scheduling,

@@ -230,7 +230,7 @@ def xla_compiler_options(gemm: str, platform: str) -> dict | None:
 def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, modes, *,
                 max_pages: int, attention: str = "auto", layer_loop: str = "scan", gemm: str = "cublas",
                 max_top_logprobs: int = 0, sample_in_step: bool = True, all_reduce: str = "xla",
-                progress: Callable[[int, int, float], None] | None = None,
+                all_to_all: str = "xla", progress: Callable[[int, int, float], None] | None = None,
                 workers: int | None = None, store: ExecutableStore | None = None,
                 report: Callable[[str], None] | None = None, only: Collection[tuple] | None = None) -> Executables:
     """Every (mode, bucket) step, compiled against the real params and caches: loaded from
@@ -245,7 +245,8 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
     ``/jax/compilation_cache/cache_hits`` event) and those the store supplied."""
     start = time.perf_counter()
     options = dict(max_pages=max_pages, attention=attention, layer_loop=layer_loop,
-                   max_top_logprobs=max_top_logprobs, sample_in_step=sample_in_step, all_reduce=all_reduce)
+                   max_top_logprobs=max_top_logprobs, sample_in_step=sample_in_step, all_reduce=all_reduce,
+                   all_to_all=all_to_all)
     compiler_options = xla_compiler_options(gemm, weights.mesh.devices.flat[0].platform)
     steps = _steps(weights, ladder, modes)
     if only is not None:
@@ -314,7 +315,7 @@ def _steps(weights, ladder, modes) -> list[tuple[str, int, int]]:
 
 
 def _lower_steps(weights, caches, steps, *, result_rows, max_pages, attention, layer_loop, max_top_logprobs,
-                 sample_in_step=True, all_reduce="xla"):
+                 sample_in_step=True, all_reduce="xla", all_to_all="xla"):
     sharding = batch_sharding(weights)
     previous = jax.ShapeDtypeStruct((result_rows, result_columns(max_top_logprobs)), np.int32, sharding=sharding)
     made = {}
@@ -323,7 +324,7 @@ def _lower_steps(weights, caches, steps, *, result_rows, max_pages, attention, l
         if mode not in made:
             made[mode] = engine_step(make_step(weights, mode, attention=attention, layer_loop=layer_loop,
                                                max_top_logprobs=max_top_logprobs, sample_in_step=sample_in_step,
-                                               all_reduce=all_reduce),
+                                               all_reduce=all_reduce, all_to_all=all_to_all),
                                      result_rows)
         lowered[(mode, t, b)] = made[mode].lower(params_for(weights, mode), caches,
                                                  abstract_upload(t, b, max_pages, sharding), previous)
@@ -332,7 +333,7 @@ def _lower_steps(weights, caches, steps, *, result_rows, max_pages, attention, l
 
 def temporary_bytes(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, modes, *,
                     max_pages: int, attention: str, layer_loop: str, max_top_logprobs: int,
-                    sample_in_step: bool = True, gemm: str = "cublas", all_reduce: str = "xla",
+                    sample_in_step: bool = True, gemm: str = "cublas", all_reduce: str = "xla", all_to_all: str = "xla",
                     store: ExecutableStore | None = None, workers: int | None = None) -> int:
     """The largest per-device temporary buffer size of the largest bucket's step in any mode,
     from XLA's memory analysis: what the page pool must leave free. ``caches`` may be
@@ -342,7 +343,8 @@ def temporary_bytes(weights: ModelWeights, caches: KVCache, ladder: BucketLadder
     for these steps, else measured and saved there (a warm start compiles nothing)."""
     largest = BucketLadder((ladder.token_buckets[-1],), (ladder.seq_buckets[-1],))
     options = dict(max_pages=max_pages, attention=attention, layer_loop=layer_loop,
-                   max_top_logprobs=max_top_logprobs, sample_in_step=sample_in_step, all_reduce=all_reduce)
+                   max_top_logprobs=max_top_logprobs, sample_in_step=sample_in_step, all_reduce=all_reduce,
+                   all_to_all=all_to_all)
     platform = weights.mesh.devices.flat[0].platform
     compiler_options = xla_compiler_options(gemm, platform)
     key = None

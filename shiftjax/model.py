@@ -10,7 +10,7 @@ mode sums its ``sp`` block partials with ``psum`` over ``sp`` and then over ``tp
 adds its ``sp`` block GEMMs in block order and then ``psum``s over ``tp``. With the aliased
 weight storage the two modes then write the same cache bytes wherever the all-reduce adds
 in device order (checked on the CPU mesh by the KV-invariance test). Both modes' layer sums
-go through ``kernels.all_reduce`` with the step's one choice: XLA's ``psum``, or on two
+go through ``kernels.collectives`` with the step's one choice: XLA's ``psum``, or on two
 GPUs the one-shot kernel, whose bf16(a + b) is psum's bit for bit.
 """
 
@@ -25,7 +25,7 @@ from jaxtyping import Array, Float, Int
 
 from shiftjax.batch import StepBatch
 from shiftjax.kernels import AttentionMetadata, ragged_paged_attention, write_kv_cache
-from shiftjax.kernels.all_reduce import all_reduce, all_to_all, psum_reference
+from shiftjax.kernels.collectives import all_reduce, all_to_all, psum_reference
 from shiftjax.layouts.mesh import HEAD_AXES, SP, TP
 from shiftjax.weights import LayerWeights, LocalDims
 
@@ -52,7 +52,7 @@ def apply_rope(
 
 def psum_head_axes(x, implementation: str = "xla"):
     """The TP-mode all-reduce, over ``sp`` first so it adds what SP mode adds locally;
-    ``implementation``: ``kernels.all_reduce``'s (``xla`` or, on two GPUs, ``one_shot``)."""
+    ``implementation``: ``kernels.collectives``'s (``xla`` or, on two GPUs, ``one_shot``)."""
     return all_reduce(x, (SP, TP), implementation)
 
 
@@ -66,8 +66,8 @@ class Context:
         self.inv_freq = inv_freq
         self.batch = batch
         self.attention = attention
-        self.all_reduce = all_reduce  # kernels.all_reduce.ALL_REDUCES: who sums the layers' partials
-        self.all_to_all = all_to_all  # kernels.all_reduce.ALL_TO_ALLS: who does SP mode's exchanges
+        self.all_reduce = all_reduce  # kernels.collectives.ALL_REDUCES: who sums the layers' partials
+        self.all_to_all = all_to_all  # kernels.collectives.ALL_TO_ALLS: who does SP mode's exchanges
         self.first_ordinal = first_ordinal  # the mesh's first CUDA device (the exchange kernels' ranks)
 
     @property

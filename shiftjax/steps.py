@@ -20,7 +20,7 @@ from jax import lax
 from shiftjax.batch import StepBatch
 from shiftjax.cache import KVCache
 from shiftjax.config import rope_inverse_frequencies
-from shiftjax.kernels.all_reduce import ALL_REDUCES, ALL_TO_ALLS, check_one_shot_ready, first_ordinal_of
+from shiftjax.kernels.collectives import ALL_REDUCES, ALL_TO_ALLS, check_one_shot_ready, first_ordinal_of
 from shiftjax.layouts.mesh import SP
 from shiftjax.layouts.specs import CACHE_SPEC, REPLICATED
 from shiftjax.model import (
@@ -63,7 +63,7 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", lay
     ``layer_loop``: ``"scan"`` (compile time flat in depth) or ``"unrolled"`` (faster on
     GPUs, where the scan copies each layer's weights; see ``model.run_layers``).
 
-    ``all_reduce``: who sums the layers' partials over devices (``kernels.all_reduce``):
+    ``all_reduce``: who sums the layers' partials over devices (``kernels.collectives``):
     ``xla`` (``psum``) or ``one_shot`` (two GPUs; ``setup_one_shot`` must have run).
     ``all_to_all``: likewise for SP mode's two exchanges a layer (``xla``: NCCL's all-to-all).
 

@@ -1,4 +1,4 @@
-"""The one-shot kernels (kernels/one_shot_all_reduce.cu) on two GPUs, against XLA's
+"""The one-shot kernels (kernels/one_shot_collectives.cu) on two GPUs, against XLA's
 collectives (NCCL) on the same GPUs: the all-reduce's sums and the all-to-all's blocks the
 same bit for bit, on both mesh orientations, at a decode step's and a prefill step's sizes,
 call after call (the kernels alternate two receive slots and count their calls on the
@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shiftjax.kernels.all_reduce import (
+from shiftjax.kernels.collectives import (
     EXCHANGE_TARGET,
     all_reduce,
     all_to_all,

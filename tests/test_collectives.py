@@ -1,10 +1,10 @@
-"""Who sums TP mode's partials (kernels/all_reduce.py), on the CPU mesh: ``xla`` is the sum
-over the devices; ``one_shot`` becomes the kernel's custom call exactly where it applies
-(two devices in all, bf16 in whole 16-byte words, within the receive slot) and XLA's psum
-elsewhere; the option reaches every layer of both modes' steps, the executable store's keys
-and the CLI; a mesh it cannot serve is refused with the reason, and ``auto`` falls back to
-psum whatever stops the kernel. The kernel itself runs on two GPUs only:
-tests/test_all_reduce_gpu.py."""
+"""Who sums TP mode's partials and who does SP mode's all-to-alls (kernels/collectives.py),
+on the CPU mesh: ``xla`` is XLA's collective; ``one_shot`` becomes the kernel's custom call
+exactly where it applies (two devices in all, bf16 in whole 16-byte words, within the
+receive slot) and XLA's elsewhere; the options reach every layer of the steps, the
+executable store's keys and the CLI; a mesh they cannot serve is refused with the reason,
+and ``auto`` falls back to XLA's whatever stops the kernel. The kernels themselves run on
+two GPUs only: tests/test_collectives_gpu.py."""
 
 from __future__ import annotations
 
@@ -20,11 +20,14 @@ from jax.sharding import PartitionSpec as P
 from shiftjax.config import ModelConfig
 import types
 
-from shiftjax.kernels.all_reduce import (
+from shiftjax.kernels.collectives import (
     DEFAULT_CAPACITY_BYTES,
+    EXCHANGE_TARGET,
     TARGET,
     all_reduce,
+    all_to_all,
     check_one_shot_ready,
+    first_ordinal_of,
     setup_one_shot,
 )
 from shiftjax.layouts.mesh import SP, TP, make_mesh
@@ -81,6 +84,44 @@ def test_one_shot_falls_back_to_psum_where_it_does_not_apply(case):
     assert TARGET not in text and "all_reduce" in text
 
 
+def _exchanged_text(shape, dtype, dims, split_axis, axis=SP, first_ordinal=0):
+    """The lowered ``all_to_all`` (one_shot) of ``dims`` a device over ``axis``, and the
+    output shapes of it and of XLA's."""
+    mesh = make_mesh(*shape, jax.devices()[:shape[0] * shape[1]])
+    spec = P(axis)
+    x = jnp.zeros((mesh.shape[axis] * dims[0], *dims[1:]), dtype)
+
+    def exchanged(implementation):
+        return jax.jit(jax.shard_map(lambda b: all_to_all(b, axis, split_axis, implementation, first_ordinal),
+                                     mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    lowered = exchanged("one_shot").lower(x)
+    return lowered.as_text(), lowered.out_info.shape, jax.eval_shape(exchanged("xla"), x).shape
+
+
+@pytest.mark.parametrize("shape, axis", [((2, 1), SP), ((1, 2), TP)])
+@pytest.mark.parametrize("dims, split_axis", [((8, 2, 48), 1), ((2, 8, 16), 0), ((3, 4, 16), 2)])
+def test_one_shot_all_to_all_is_the_kernel_on_two_devices(shape, axis, dims, split_axis):
+    text, got, want = _exchanged_text(shape, jnp.bfloat16, dims, split_axis, axis)
+    assert EXCHANGE_TARGET in text and "all_to_all" not in text.replace(EXCHANGE_TARGET, "")
+    assert got == want  # the kernel's [2][outer][inner] reshaped as XLA's all-to-all lays it out
+
+
+@pytest.mark.parametrize("case", [
+    dict(shape=(2, 2), dtype=jnp.bfloat16, dims=(8, 2, 48), split_axis=1),  # four devices: NCCL's
+    dict(shape=(2, 1), dtype=jnp.float32, dims=(8, 2, 48), split_axis=1),  # not bf16
+    dict(shape=(2, 1), dtype=jnp.bfloat16, dims=(8, 2, 12), split_axis=1),  # rows of 12: not whole 16-byte words
+    dict(shape=(2, 1), dtype=jnp.bfloat16, dims=(2, DEFAULT_CAPACITY_BYTES // 2 // 64 + 1, 64), split_axis=0),
+])
+def test_one_shot_all_to_all_falls_back_to_xla_where_it_does_not_apply(case):
+    text, got, want = _exchanged_text(**case)
+    assert EXCHANGE_TARGET not in text and "all_to_all" in text and got == want
+
+
+def test_one_shot_all_to_all_needs_the_first_ordinal():
+    with pytest.raises(ValueError, match="needs first_ordinal"):
+        _exchanged_text((2, 1), jnp.bfloat16, (8, 2, 48), 1, first_ordinal=None)
+
+
 @pytest.mark.parametrize("mode", ["tp", "sp"])
 def test_steps_sum_every_layer_by_the_kernel(mode):
     """Two GEMM partials a layer (attention out, MLP down) go through the kernel, in both
@@ -100,59 +141,82 @@ def test_steps_sum_every_layer_by_the_kernel(mode):
     assert text.count("call @layer") + text.count("call @jit_layer") >= config.num_layers
 
 
+def test_sp_steps_exchange_every_layer_by_the_kernel():
+    """SP mode's two all-to-alls a layer (q|k|v blocks out, attention back) go through the
+    kernel on the (2, 1) mesh, the first device's ordinal baked in; TP mode has none."""
+    weights = shard_params(random_params(CONFIG, seed=1, scale=0.3, dtype=jnp.bfloat16), CONFIG,
+                           make_mesh(2, 1, jax.devices()[:2][::-1]))
+    from shiftjax.serving import executables as exe
+
+    lowered = exe._lower_steps(weights, _abstract_caches(weights), [("sp", 8, 4), ("tp", 8, 4)], result_rows=4,
+                               max_pages=4, attention="reference", layer_loop="unrolled", max_top_logprobs=0,
+                               sample_in_step=False, all_to_all="one_shot")
+    sp, tp = (lowered[(mode, 8, 4)].as_text() for mode in ("sp", "tp"))
+    assert sp.count(f"custom_call @{EXCHANGE_TARGET}") == 2 and "all_to_all" not in sp.replace(EXCHANGE_TARGET, "")
+    assert f"first_ordinal = {first_ordinal_of(weights.mesh)} : i64" in sp and first_ordinal_of(weights.mesh) == 1
+    assert EXCHANGE_TARGET not in tp
+
+
 def _abstract_caches(weights):
     from shiftjax.serving.page_pool import abstract_cache
 
     return abstract_cache(weights.mesh, CONFIG.num_layers, weights.layout.kv_slots, CONFIG.head_dim, 4, "bfloat16")
 
 
-def test_make_step_refuses_an_unknown_all_reduce():
+@pytest.mark.parametrize("collective", ["all_reduce", "all_to_all"])
+def test_make_step_refuses_an_unknown_collective(collective):
     weights = shard_params(random_params(CONFIG, seed=1, scale=0.3), CONFIG, make_mesh(1, 2, jax.devices()[:2]))
-    with pytest.raises(ValueError, match="all_reduce must be one of"):
-        make_step(weights, "tp", all_reduce="nccl")
+    with pytest.raises(ValueError, match=f"{collective} must be one of"):
+        make_step(weights, "tp", **{collective: "nccl"})
 
 
-def test_engine_config_refuses_an_unknown_all_reduce():
-    with pytest.raises(ValueError, match="all_reduce must be one of auto, xla, one_shot"):
-        EngineConfig(all_reduce="nccl")
+@pytest.mark.parametrize("collective", ["all_reduce", "all_to_all"])
+def test_engine_config_refuses_an_unknown_collective(collective):
+    with pytest.raises(ValueError, match=f"{collective} must be one of auto, xla, one_shot"):
+        EngineConfig(**{collective: "nccl"})
 
 
 @pytest.mark.parametrize("asked", ["auto", "xla"])
-def test_auto_and_xla_choose_psum_off_two_gpus(asked):
-    """``auto`` (the default) takes XLA's psum on CPUs, without trying to build the kernel."""
+def test_auto_and_xla_choose_xla_off_two_gpus(asked):
+    """``auto`` (the default) takes XLA's collectives on CPUs, without trying to build the kernels."""
     weights = shard_params(random_params(CONFIG, seed=1, scale=0.3), CONFIG, make_mesh(1, 2, jax.devices()[:2]))
     heard = []
     engine = Engine(weights, EngineConfig(max_model_len=32, page_size=4, num_pages=16, max_num_seqs=2,
                                           max_num_batched_tokens=8, token_buckets=(8,), seq_buckets=(2,),
-                                          attention="reference", all_reduce=asked), report=heard.append)
-    assert engine.all_reduce == "xla" and "all_reduce" not in engine.startup_seconds
+                                          attention="reference", all_reduce=asked, all_to_all=asked),
+                    report=heard.append)
+    assert engine.all_reduce == engine.all_to_all == "xla"
+    assert not any(name.endswith("_setup") for name in engine.startup_seconds)
     assert not any("one-shot" in line for line in heard)
 
 
-def test_one_shot_needs_two_gpus():
+@pytest.mark.parametrize("collective", ["all_reduce", "all_to_all"])
+def test_one_shot_needs_two_gpus(collective):
     weights = shard_params(random_params(CONFIG, seed=1, scale=0.3), CONFIG, make_mesh(2, 2))
     options = dict(max_model_len=32, page_size=4, num_pages=16, max_num_seqs=2, max_num_batched_tokens=8,
-                   token_buckets=(8,), seq_buckets=(2,), attention="reference", all_reduce="one_shot")
+                   token_buckets=(8,), seq_buckets=(2,), attention="reference", **{collective: "one_shot"})
     with pytest.raises(ValueError, match="two GPUs; this mesh has 4 devices"):
         Engine(weights, EngineConfig(**options))
     two_cpus = shard_params(random_params(CONFIG, seed=1, scale=0.3), CONFIG, make_mesh(1, 2, jax.devices()[:2]))
-    with pytest.raises(RuntimeError, match="needs two CUDA devices"):
+    with pytest.raises(RuntimeError, match="need two CUDA devices"):
         Engine(two_cpus, EngineConfig(**options))
-    with pytest.raises(RuntimeError, match="needs two CUDA devices"):
+    with pytest.raises(RuntimeError, match="need two CUDA devices"):
         setup_one_shot(jax.devices()[:2])
 
 
-def test_cli_option_reaches_the_engine_config():
+@pytest.mark.parametrize("collective", ["all_reduce", "all_to_all"])
+def test_cli_option_reaches_the_engine_config(collective):
     import argparse
 
     from shiftjax.serving.engine_args import add_engine_arguments, engine_options
 
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
-    assert engine_options(parser.parse_args(["--all-reduce", "one_shot"]))["all_reduce"] == "one_shot"
-    assert engine_options(parser.parse_args([]))["all_reduce"] == "auto"
+    flag = "--" + collective.replace("_", "-")
+    assert engine_options(parser.parse_args([flag, "one_shot"]))[collective] == "one_shot"
+    assert engine_options(parser.parse_args([]))[collective] == "auto"
     with pytest.raises(SystemExit):
-        parser.parse_args(["--all-reduce", "nccl"])
+        parser.parse_args([flag, "nccl"])
 
 
 def _fake_gpus(process_index=0, ordinals=(0, 1)):
@@ -171,8 +235,9 @@ def test_a_step_on_gpus_not_set_up_is_refused():
     check_one_shot_ready(jax.devices()[:2])  # CPUs: lowered for inspection only, nothing runs
 
 
+@pytest.mark.parametrize("collective, fallback", [("all_reduce", "psum"), ("all_to_all", "NCCL's all-to-all")])
 @pytest.mark.parametrize("failure", [RuntimeError("no nvcc"), PermissionError("read-only cache"), OSError("bad .so")])
-def test_auto_falls_back_to_psum_whatever_stops_the_kernel(monkeypatch, failure):
+def test_auto_falls_back_to_xla_whatever_stops_the_kernel(monkeypatch, failure, collective, fallback):
     from shiftjax.serving import engine as engine_module
 
     asked = []
@@ -183,20 +248,23 @@ def test_auto_falls_back_to_psum_whatever_stops_the_kernel(monkeypatch, failure)
     monkeypatch.setattr(engine_module, "setup_one_shot", failing)
     mesh = types.SimpleNamespace(size=2, devices=np.array(_fake_gpus()))
     heard = []
-    chosen = engine_module._choose_all_reduce("auto", mesh, heard.append, lambda name: contextlib.nullcontext())
-    assert chosen == "xla" and str(failure) in heard[0] and "psum" in heard[0]
+    chosen = engine_module._choose_collective(collective, "auto", mesh, heard.append,
+                                              lambda name: contextlib.nullcontext())
+    assert chosen == "xla" and str(failure) in heard[0] and fallback in heard[0]
     with pytest.raises(type(failure)):
-        engine_module._choose_all_reduce("one_shot", mesh, heard.append, lambda name: contextlib.nullcontext())
+        engine_module._choose_collective(collective, "one_shot", mesh, heard.append,
+                                         lambda name: contextlib.nullcontext())
     # auto takes the kernel only over NVLink, where it was measured; asked for by name, anywhere
     assert asked == [{"require_nvlink": True}, {"require_nvlink": False}]
 
 
-def test_store_keys_differ_by_all_reduce():
+@pytest.mark.parametrize("collective", ["all_reduce", "all_to_all"])
+def test_store_keys_differ_by_collective(collective):
     from shiftjax.serving.executable_store import step_key
 
     weights = shard_params(random_params(CONFIG, seed=1, scale=0.3), CONFIG, make_mesh(1, 2, jax.devices()[:2]))
     caches = _abstract_caches(weights)
     options = dict(mode="tp", num_tokens=8, num_seqs=4, max_pages=4, attention="reference", layer_loop="scan",
                    max_top_logprobs=0, sample_in_step=False)
-    assert step_key(weights, caches, all_reduce="xla", **options) != step_key(weights, caches, all_reduce="one_shot",
-                                                                              **options)
+    assert (step_key(weights, caches, **{collective: "xla"}, **options)
+            != step_key(weights, caches, **{collective: "one_shot"}, **options))

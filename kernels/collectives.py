@@ -1,19 +1,24 @@
-"""Sums over devices for TP mode: XLA's ``psum`` (NCCL), or on two GPUs a one-shot kernel.
+"""The steps' collectives: XLA's (NCCL), or on two GPUs one-shot kernels of our own.
 
-``xla`` (the reference, and the default): ``psum`` over the named mesh axes in order.
+TP mode sums partials (``all_reduce``); SP mode exchanges head blocks for tokens and back
+(``all_to_all``). Each takes an implementation:
 
-``one_shot`` (``one_shot_all_reduce.cu``): each GPU writes its partial sums straight into a
-buffer on the other over NVLink, raises a flag there, waits for the other's, and adds. It
-is an XLA FFI custom call that XLA records into its CUDA graphs, where NCCL's all-reduce
-splits a step into one graph per stretch between collectives (~66 per GPU in a TP decode
-step of Llama-3.1-8B; benchmarks/x2_results.md, "A one-shot all-reduce in the graph"). It
-applies where the sum spans exactly the mesh's two GPUs, in this process, and the message
-fits the receive slot; anything else takes ``psum``. Its sums are bf16(float(a) + float(b)),
-the same on both GPUs and, as measured, NCCL's bit for bit. If one GPU's step fails, the
+``xla`` (the reference): ``psum`` over the named mesh axes in order; ``lax.all_to_all``.
+
+``one_shot`` (``one_shot_collectives.cu``): each GPU writes what the other needs (its
+partial sums; the half of its block the other owns) straight into a buffer on the other
+over NVLink, raises a flag there, waits for the other's, and adds (the all-reduce) or
+copies into place (the all-to-all). They are XLA FFI custom calls that XLA records into its
+CUDA graphs, where each NCCL collective splits a step into one graph per stretch between
+collectives (~66 per GPU in a TP decode step of Llama-3.1-8B; benchmarks/x2_results.md, "A
+one-shot all-reduce in the graph"). They apply where the collective spans exactly the
+mesh's two GPUs, in this process, and the message fits the receive slot; anything else
+takes XLA's. The sums are bf16(float(a) + float(b)), the same on both GPUs and, as
+measured, NCCL's bit for bit; the exchange moves bytes. If one GPU's step fails, the
 other's kernel traps after 20 s: that GPU's CUDA context is then unusable and the process
 must restart (NCCL would hang instead).
 
-The kernel is compiled with ``nvcc`` on first use (cached by the source's hash) and set up
+The library is compiled with ``nvcc`` on first use (cached by the source's hash) and set up
 once per process (``setup_one_shot``: buffers on both GPUs, peer access); XLA's FFI
 registry is process-wide, so the loaded library is kept per process too.
 """
@@ -38,7 +43,7 @@ ALL_REDUCES = ("xla", "one_shot")
 ALL_TO_ALLS = ("xla", "one_shot")
 TARGET = "shiftjax_one_shot_all_reduce"
 EXCHANGE_TARGET = "shiftjax_one_shot_all_to_all"
-SOURCE = Path(__file__).with_name("one_shot_all_reduce.cu")
+SOURCE = Path(__file__).with_name("one_shot_collectives.cu")
 DEFAULT_CAPACITY_BYTES = 32 * 2**20  # per receive slot: a 4096-token step of hidden 4096 in bf16
 _NVCC_CANDIDATES = ("nvcc", "/usr/local/cuda/bin/nvcc")
 
@@ -113,25 +118,25 @@ def first_ordinal_of(mesh) -> int:
 
 
 def setup_one_shot(devices, *, require_nvlink: bool = False, cache_dir: str | None = None) -> None:
-    """Compiles (once, cached), loads and registers the kernel, and sets up its buffers on
+    """Compiles (once, cached), loads and registers the kernels, and sets up their buffers on
     the two CUDA ``devices`` (the mesh's, in any order; once per process: a second call for
-    the same GPUs does nothing). Call before a step with ``all_reduce(..., "one_shot")`` is
-    made (``steps.make_step`` checks). ``require_nvlink``: refuse GPUs whose peer access has
+    the same GPUs does nothing). Call before a step with a ``one_shot`` collective is made
+    (``steps.make_step`` checks). ``require_nvlink``: refuse GPUs whose peer access has
     no native atomics (PCIe), where the kernel was never measured. Raises RuntimeError with
     the reason where it cannot (no nvcc, not two GPUs of this process, no P2P, already set up
     for other GPUs)."""
     devices = list(devices)
     if len(devices) != 2 or any(d.platform != "gpu" for d in devices):
-        raise RuntimeError(f"the one-shot all-reduce needs two CUDA devices, got {devices}")
+        raise RuntimeError(f"the one-shot collectives need two CUDA devices, got {devices}")
     if any(d.process_index != jax.process_index() for d in devices):
-        raise RuntimeError("the one-shot all-reduce needs both GPUs in this process (a multi-process mesh "
-                           "takes XLA's psum)")
+        raise RuntimeError("the one-shot collectives need both GPUs in this process (a multi-process mesh "
+                           "takes XLA's)")
     with _lock:
         library = _load(devices[0], cache_dir)
         ordinals = tuple(sorted(int(d.local_hardware_id) for d in devices))
         if not library.shiftjax_all_reduce_setup(ordinals[0], ordinals[1], DEFAULT_CAPACITY_BYTES,
                                                  int(require_nvlink)):
-            raise RuntimeError("one-shot all-reduce set-up failed: "
+            raise RuntimeError("one-shot collectives' set-up failed: "
                                + library.shiftjax_all_reduce_error().decode(errors="replace"))
         _set_up.append(ordinals)
 
@@ -145,7 +150,7 @@ def check_one_shot_ready(devices) -> None:
     ordinals = tuple(sorted(int(d.local_hardware_id) for d in devices))
     if ordinals not in _set_up:
         raise ValueError(f"all_reduce one_shot: set up for GPUs {_set_up or 'none'}, not {ordinals}; "
-                         f"call kernels.all_reduce.setup_one_shot(mesh devices) first")
+                         f"call kernels.collectives.setup_one_shot(mesh devices) first")
 
 
 def _load(device, cache_dir: str | None) -> ctypes.CDLL:
@@ -177,7 +182,7 @@ def _compiled(device, cache_dir: str | None, defines: tuple[str, ...] = ()) -> P
     (``defines``: ``-D`` macros, for benchmarks that build variants)."""
     nvcc = next((found for name in _NVCC_CANDIDATES if (found := shutil.which(name))), None)
     if nvcc is None:
-        raise RuntimeError("the one-shot all-reduce is compiled on first use and needs nvcc "
+        raise RuntimeError("the one-shot collectives are compiled on first use and need nvcc "
                            "(on PATH or in /usr/local/cuda/bin)")
     major, minor = str(getattr(device, "compute_capability", "9.0")).split(".")[:2]
     arch = f"sm_{major}{minor}"

@@ -1,13 +1,15 @@
-// A one-shot all-reduce of bf16 over the two GPUs of one process, as an XLA FFI custom call
-// that XLA may record into its CUDA graphs (kCmdBufferCompatible).
+// One-shot collectives of bf16 over the two GPUs of one process: an all-reduce (TP mode's
+// sums) and an all-to-all (SP mode's exchanges), as XLA FFI custom calls that XLA may record
+// into its CUDA graphs (kCmdBufferCompatible).
 //
-// Why: each NCCL all-reduce splits XLA's CUDA graph of a step, so a TP decode step on two
+// Why: each NCCL collective splits XLA's CUDA graph of a step, so a TP decode step on two
 // H200s launches ~66 graphs and ~66 collectives per GPU and is bound by the host (NCCL's
 // kernels themselves take ~12 us each for a decode step's 64 KiB; benchmarks/x2_results.md).
-// This kernel is a plain kernel launch on XLA's stream, with buffers set up once per process,
-// so a step can be one graph.
+// These kernels are plain kernel launches on XLA's stream, with buffers set up once per
+// process, so a step can be one graph; the exchange is also quicker than NCCL's at every size
+// measured (benchmarks/exchange_bandwidth.py).
 //
-// Protocol, per call (rank r of 2, its peer p; every block handles one segment):
+// Protocol of the all-reduce, per call (rank r of 2, its peer p; every block handles one segment):
 //   1. write my segment of x into the peer's receive buffer (slot = call parity) over NVLink;
 //   2. fence, then raise the peer's flag for (slot, block) to this call's number;
 //   3. wait until my own flag for (slot, block) shows the peer's data has arrived;
@@ -17,8 +19,9 @@
 // call k + 1, which I raise after my call k (and its reads of slot s) finished.
 // The call number lives on the device (the graph's arguments are frozen); the last block to
 // finish advances it. Flags and numbers are 64-bit, so a tag never wraps to a stale flag.
-// A trap (the peer never arrived) leaves this GPU's CUDA context unusable: the process must
-// restart, where NCCL would have hung instead.
+// The all-to-all follows the same protocol, with the same slots, flags and call number (a copy
+// in place of the sum; exchange_kernel). A trap (the peer never arrived) leaves this GPU's
+// CUDA context unusable: the process must restart, where NCCL would have hung instead.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
