@@ -197,7 +197,8 @@ def _call_ms(run, batch, iters: int = 15) -> float:
 def correctness(smoke: bool, attention: str, gemms: tuple[str, ...]) -> dict:
     """Greedy tokens of one device vs the 2-device mesh in every mode (float32, random
     SmolLM2-shaped weights: the real model cannot travel to the device machine), and TP vs
-    SP logits of the 8B shape in bf16; once per GEMM backend of ``gemms`` (``EngineConfig.gemm``;
+    SP logits of the 8B shape in bf16, with XLA's collectives and (two GPUs) with the one-shot
+    kernels, whose logits must equal XLA's TP mode's bit for bit; once per GEMM backend of ``gemms`` (``EngineConfig.gemm``;
     on the CPU only Triton, the other's options being GPU-only)."""
     config = dataclasses.replace(SMOLLM2, num_layers=2) if smoke else SMOLLM2
     params = device_random_params(config, jnp.float32, seed=1)
@@ -232,17 +233,29 @@ def correctness(smoke: bool, attention: str, gemms: tuple[str, ...]) -> dict:
         batch = to_device(prefill_batch(2, 64 if smoke else 1000, 64), big_weights)
         options = executables_module.xla_compiler_options(gemm, jax.devices()[0].platform)
         logits = {}
-        for mode in ("tp", "sp"):
-            step = make_step(big_weights, mode, attention=attention, layer_loop="unrolled", return_logits=True)
-            compiled = step.lower(params_for(big_weights, mode), caches, batch).compile(options)
-            result, caches = compiled(params_for(big_weights, mode), caches, batch)
-            logits[mode] = np.asarray(result.logits.addressable_shards[0].data, np.float32)
-        rel = float(np.linalg.norm(logits["tp"] - logits["sp"]) / np.linalg.norm(logits["tp"]))
-        argmax_equal = bool((logits["tp"].argmax(-1) == logits["sp"].argmax(-1)).all())
-        log(f"{gemm}: 8B shape TP vs SP logits: relative error {rel:.2e}, argmax equal {argmax_equal}")
+        # XLA's collectives, then (two GPUs) the one-shot kernels for TP's sums and SP's exchanges
+        collectives = ("xla",) if smoke else ("xla", "one_shot")
+        if "one_shot" in collectives:
+            setup_one_shot(big_weights.mesh.devices.flat, require_nvlink=True)
+        for collective in collectives:
+            for mode in ("tp", "sp"):
+                step = make_step(big_weights, mode, attention=attention, layer_loop="unrolled", return_logits=True,
+                                 all_reduce=collective, all_to_all=collective)
+                compiled = step.lower(params_for(big_weights, mode), caches, batch).compile(options)
+                result, caches = compiled(params_for(big_weights, mode), caches, batch)
+                logits[(collective, mode)] = np.asarray(result.logits.addressable_shards[0].data, np.float32)
+        tp, sp = logits[("xla", "tp")], logits[("xla", "sp")]
+        rel = float(np.linalg.norm(tp - sp) / np.linalg.norm(tp))
+        argmax_equal = bool((tp.argmax(-1) == sp.argmax(-1)).all())
+        # the bytes of every (collectives, mode) pair's logits against XLA's TP mode's
+        same_bytes = {f"{c}_{m}": bool((logits[(c, m)].view(np.uint32) == tp.view(np.uint32)).all())
+                      for c, m in logits}
+        log(f"{gemm}: 8B shape TP vs SP logits: relative error {rel:.2e}, argmax equal {argmax_equal}; "
+            f"bytes equal to XLA's TP mode: {same_bytes}")
         out[gemm] = {"greedy_tokens": tokens, "greedy_equal": same, "llama8b_tp_vs_sp_rel": rel,
-                     "llama8b_argmax_equal": argmax_equal,
-                     "pass": all(same.values()) and rel < out["bf16_tolerance"]}
+                     "llama8b_argmax_equal": argmax_equal, "llama8b_logits_bytes_equal_xla_tp": same_bytes,
+                     "pass": all(same.values()) and rel < out["bf16_tolerance"]
+                     and (smoke or all(same_bytes.values()))}
         del caches
     out["pass"] = all(out[g]["pass"] for g in gemms if g in out)
     return out
