@@ -45,7 +45,9 @@ _VARIANT_OPTIONS = {"command_buffers": COMMAND_BUFFER_OPTIONS,
                     # CAPTURE_CMD_NEVER_UPDATE, later ones SKIP_TEMP and SKIP_PROFILED
                     "never_update": {UPDATE_MODE: "NEVER_UPDATE"},
                     "capture_never_update": {UPDATE_MODE: "CAPTURE_CMD_NEVER_UPDATE"},
-                    "skip_temp": {UPDATE_MODE: "SKIP_TEMP"}, "skip_profiled": {UPDATE_MODE: "SKIP_PROFILED"}}
+                    "skip_temp": {UPDATE_MODE: "SKIP_TEMP"}, "skip_profiled": {UPDATE_MODE: "SKIP_PROFILED"},
+                    # XLA's GEMMs by cuBLASLt (its own heuristics for skinny decode GEMMs) where cuBLAS runs them
+                    "cublaslt": {"xla_gpu_enable_cublaslt": True}}
 # the engine variants made of others: their options merged, their patches all applied
 _COMBINED_VARIANTS = {"skip_temp_batch": ("skip_temp", "batch_in_temp"),
                       "command_buffers_batch": ("command_buffers", "batch_in_temp")}
@@ -63,7 +65,8 @@ def _step_variant(variant: str):
     ``skip_temp``, ``skip_profiled``: XLA's command buffer update modes of those names
     (``UPDATE_MODE``). ``batch_in_temp``: the step copies its batch upload into its own
     buffers first (``_materialised``); ``skip_temp_batch``: that and ``skip_temp``;
-    ``command_buffers_batch``: that and ``command_buffers``.
+    ``command_buffers_batch``: that and ``command_buffers``. ``cublaslt``: the GEMMs by
+    cuBLASLt (``xla_gpu_enable_cublaslt``).
     ``one_row_logits``: the LM head multiplies the sampled rows alone, as before
     ``model.MIN_LOGIT_ROWS`` (patched to 1). ``one_shot_all_reduce`` / ``xla_all_reduce``:
     TP mode's sums by shiftjax's one-shot kernel (two GPUs) / by XLA's psum

@@ -16,6 +16,7 @@ kernel variant's output must equal NCCL's bit for bit.
 
     python3 -P benchmarks/exchange_bandwidth.py --ceiling --out DIR   # nvidia-h200-x2
     python3 -P benchmarks/exchange_bandwidth.py --out DIR
+    python benchmarks/exchange_bandwidth.py --smoke      # two CPU devices, NCCL's path (XLA's) only
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ def exchanges(smoke: bool) -> dict:
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
+    if smoke:  # two CPU devices: XLA's all-to-all alone
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", 2)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from roofline import time_fn
     from shiftjax.kernels import collectives as kernels

@@ -87,10 +87,11 @@ def all_to_all(x: Float[Array, "*shape"], axis: str, split_axis: int, implementa
     if implementation not in ALL_TO_ALLS:
         raise ValueError(f"all_to_all must be one of {ALL_TO_ALLS}, got {implementation!r}")
     shape = x.shape
+    split_axis %= x.ndim
     half_bytes = x.size * x.dtype.itemsize // 2
     inner = int(np.prod(shape[split_axis:])) // 2  # elements of a half's row
     mesh_size = jax.sharding.get_abstract_mesh().size
-    fits = (x.dtype == jax.numpy.bfloat16 and shape[split_axis] % 2 == 0 and inner % 8 == 0
+    fits = (x.dtype == jax.numpy.bfloat16 and x.size > 0 and shape[split_axis] % 2 == 0 and inner % 8 == 0
             and half_bytes <= DEFAULT_CAPACITY_BYTES)
     if implementation == "xla" or not lax.axis_size(axis) == mesh_size == 2 or not fits:
         return lax.all_to_all(x, axis, split_axis, 0, tiled=True)
@@ -112,9 +113,11 @@ def exchange_call(x, split_axis: int, target: str, first_ordinal: int):
     return out.reshape(out_shape)
 
 
-def first_ordinal_of(mesh) -> int:
-    """The ``first_ordinal`` of ``all_to_all`` for ``mesh``."""
-    return int(mesh.devices.flat[0].local_hardware_id)
+def first_ordinal_of(mesh) -> int | None:
+    """The ``first_ordinal`` of ``all_to_all`` for ``mesh``: None where the first device
+    belongs to another process (a multi-process mesh, where the kernels do not apply)."""
+    ordinal = mesh.devices.flat[0].local_hardware_id  # None for another process's device
+    return None if ordinal is None else int(ordinal)
 
 
 def setup_one_shot(devices, *, require_nvlink: bool = False, cache_dir: str | None = None) -> None:
@@ -147,9 +150,11 @@ def check_one_shot_ready(devices) -> None:
     devices = list(devices)
     if any(d.platform != "gpu" for d in devices):
         return  # lowered for inspection only: no GPU can run it
+    if any(d.process_index != jax.process_index() for d in devices):
+        raise ValueError("one_shot collectives need both GPUs in this process (a multi-process mesh takes XLA's)")
     ordinals = tuple(sorted(int(d.local_hardware_id) for d in devices))
     if ordinals not in _set_up:
-        raise ValueError(f"all_reduce one_shot: set up for GPUs {_set_up or 'none'}, not {ordinals}; "
+        raise ValueError(f"one_shot collectives: set up for GPUs {_set_up or 'none'}, not {ordinals}; "
                          f"call kernels.collectives.setup_one_shot(mesh devices) first")
 
 

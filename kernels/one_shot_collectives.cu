@@ -139,12 +139,14 @@ __global__ void __launch_bounds__(kThreads) one_shot_kernel(
 }
 
 // The all-to-all of two GPUs (tiled, concatenated on axis 0), by the same protocol: x is
-// [outer][2][inner] words, out [2][outer][inner]. The caller's rank r on the exchanged mesh
-// axis says which half stays: it keeps x[:, r] as out[r] and writes x[:, 1 - r] into the
+// [outer][2][inner] words, out [2][outer][inner]. The caller's position r on the exchanged
+// mesh axis (which need not be its rank in the group: a mesh may list the GPUs in either
+// order) says which half stays: it keeps x[:, r] as out[r] and writes x[:, 1 - r] into the
 // peer's receive slot, which becomes the peer's out[r]; then it waits for the peer's half
-// and copies it to out[1 - r].
+// and copies it to out[1 - r]. Slots, flags and the call number are the group rank's, as
+// in the all-reduce, so that both kernels share one count per GPU.
 __global__ void __launch_bounds__(kThreads) exchange_kernel(
-    const uint4* __restrict__ x, uint4* __restrict__ out, uint32_t rank,
+    const uint4* __restrict__ x, uint4* __restrict__ out, uint32_t position,
     uint32_t outer, uint32_t inner, DeviceState mine, DeviceState peer, size_t slot_bytes) {
   const uint64_t call = *reinterpret_cast<volatile unsigned long long*>(mine.counters);
   const uint64_t slot = call & 1u;
@@ -155,7 +157,7 @@ __global__ void __launch_bounds__(kThreads) exchange_kernel(
   const uint32_t end = begin + per_block < words ? begin + per_block : words;
 
   uint4* peer_words = reinterpret_cast<uint4*>(peer.receive + slot * slot_bytes);
-  uint4* kept = out + rank * words;
+  uint4* kept = out + position * words;
   // word i of half h of x: row i / inner of [outer][2][inner]
   auto x_word = [&](uint32_t i, uint32_t h) { return x[i + (i / inner) * inner + h * inner]; };
 #if SHIFTJAX_EXCHANGE_BATCH > 1
@@ -166,7 +168,7 @@ __global__ void __launch_bounds__(kThreads) exchange_kernel(
 #pragma unroll
     for (uint32_t k = 0; k < kBatch; ++k) {
       const uint32_t i = first + k * blockDim.x;
-      if (i < end) words_in_flight[k] = x_word(i, 1 - rank);
+      if (i < end) words_in_flight[k] = x_word(i, 1 - position);
     }
 #pragma unroll
     for (uint32_t k = 0; k < kBatch; ++k) {
@@ -176,7 +178,7 @@ __global__ void __launch_bounds__(kThreads) exchange_kernel(
   }
 #else
 #pragma unroll 4
-  for (uint32_t i = begin + threadIdx.x; i < end; i += blockDim.x) peer_words[i] = x_word(i, 1 - rank);
+  for (uint32_t i = begin + threadIdx.x; i < end; i += blockDim.x) peer_words[i] = x_word(i, 1 - position);
 #endif
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -185,7 +187,7 @@ __global__ void __launch_bounds__(kThreads) exchange_kernel(
   }
   // my own half, while the peer's is on its way
 #pragma unroll 4
-  for (uint32_t i = begin + threadIdx.x; i < end; i += blockDim.x) kept[i] = x_word(i, rank);
+  for (uint32_t i = begin + threadIdx.x; i < end; i += blockDim.x) kept[i] = x_word(i, position);
   if (threadIdx.x == 0) {
     const uint64_t began = now_ns();
     while (load_acquire(mine.flags + slot * kMaxBlocks + blockIdx.x) != tag) {
@@ -199,7 +201,7 @@ __global__ void __launch_bounds__(kThreads) exchange_kernel(
   __syncthreads();
 
   const uint4* received = reinterpret_cast<const uint4*>(mine.receive + slot * slot_bytes);
-  uint4* placed = out + (1 - rank) * words;
+  uint4* placed = out + (1 - position) * words;
 #pragma unroll 4
   for (uint32_t i = begin + threadIdx.x; i < end; i += blockDim.x) placed[i] = received[i];
 
@@ -257,23 +259,26 @@ ffi::Error all_reduce(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16
   return ffi::Error::Success();
 }
 
-// Checks an all-to-all's operands; sets *rank (0: this device is first on the exchanged axis).
+// Checks an all-to-all's operands; sets *member (this device's rank in the group set up: whose
+// buffers, flags and call number are its own, as for the all-reduce) and *position (0: this
+// device is first on the exchanged mesh axis, whose half of x it keeps).
 ffi::Error check_exchange(const char* name, int32_t device, int64_t first_ordinal, int64_t elements, int64_t outer,
-                          int64_t inner, int* rank) {
-  const int member = rank_of(device);
-  if (member < 0 || rank_of(static_cast<int32_t>(first_ordinal)) < 0) {
+                          int64_t inner, int64_t out_elements, int* member, int* position) {
+  *member = rank_of(device);
+  if (*member < 0 || rank_of(static_cast<int32_t>(first_ordinal)) < 0) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       std::string(name) + ": devices " + std::to_string(device) + " and " +
                           std::to_string(first_ordinal) + " are not the group set up by shiftjax_all_reduce_setup");
   }
-  *rank = device == first_ordinal ? 0 : 1;
+  *position = device == first_ordinal ? 0 : 1;
   const size_t half_bytes = static_cast<size_t>(outer) * static_cast<size_t>(inner) * 2;
-  if (outer < 1 || inner < 8 || inner % 8 != 0 || elements != 2 * outer * inner || half_bytes > capacity ||
-      outer * inner / 8 > UINT32_MAX) {
+  // 32-bit word indices reach twice a half's words (x_word), plus a block's stride
+  if (outer < 1 || inner < 8 || inner % 8 != 0 || elements != 2 * outer * inner || out_elements != elements ||
+      half_bytes > capacity || 2 * outer * inner / 8 + kMaxBlocks * kThreads > INT32_MAX) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       std::string(name) + ": " + std::to_string(elements) + " elements as [" + std::to_string(outer) +
-                          "][2][" + std::to_string(inner) + "]: need inner a multiple of 8 and a half of at most " +
-                          std::to_string(capacity) + " bytes");
+                          "][2][" + std::to_string(inner) + "]: need inner a multiple of 8, an output of as many "
+                          "elements and a half of at most " + std::to_string(capacity) + " bytes");
   }
   return ffi::Error::Success();
 }
@@ -293,14 +298,15 @@ int exchange_blocks(size_t half_bytes) {
 
 ffi::Error all_to_all(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x, ffi::ResultBuffer<ffi::BF16> out,
                       int64_t outer, int64_t inner, int64_t first_ordinal) {
-  int rank = 0;
+  int member = 0, position = 0;
   ffi::Error checked = check_exchange("shiftjax one-shot all-to-all", device, first_ordinal,
-                                      static_cast<int64_t>(x.element_count()), outer, inner, &rank);
+                                      static_cast<int64_t>(x.element_count()), outer, inner,
+                                      static_cast<int64_t>(out->element_count()), &member, &position);
   if (checked.failure()) return checked;
   exchange_kernel<<<exchange_blocks(outer * inner * 2), kThreads, 0, stream>>>(
       reinterpret_cast<const uint4*>(x.typed_data()), reinterpret_cast<uint4*>(out->typed_data()),
-      static_cast<uint32_t>(rank), static_cast<uint32_t>(outer), static_cast<uint32_t>(inner / 8), states[rank],
-      states[1 - rank], capacity);
+      static_cast<uint32_t>(position), static_cast<uint32_t>(outer), static_cast<uint32_t>(inner / 8),
+      states[member], states[1 - member], capacity);
   return launched("one-shot all-to-all launch");
 }
 

@@ -67,7 +67,8 @@ class EngineConfig:
     all_reduce: str = "auto"
     # auto | xla | one_shot: who does SP mode's two all-to-alls a layer, likewise: NCCL's, or on
     # two GPUs shiftjax's one-shot exchange (the SMs store the peer's half into it over NVLink;
-    # 2x H200: 1.2-2.3x faster than NCCL's alone, 1.00-1.02x an 8B prefill step, the same bytes;
+    # 2x H200: 1.1-2.3x faster than NCCL's alone, served SP TPOT 1.04-1.07x, an 8B prefill step
+    # 0.99-1.02x, the same bytes;
     # benchmarks/x2_results.md, "SP's exchanges by a kernel of our own").
     all_to_all: str = "auto"
     # executables compiled at once at start-up (default: executables.compile_workers)

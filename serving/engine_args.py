@@ -72,7 +72,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "sums); auto: one_shot where the mesh is two GPUs and the kernel builds")
     engine.add_argument("--all-to-all", choices=("auto", "xla", "one_shot"), default="auto",
                         help="who does SP mode's all-to-alls: NCCL's, or on exactly two GPUs shiftjax's one-shot "
-                             "exchange (the same kernel library; 1.2-2.3x faster than NCCL's alone on 2x H200, "
+                             "exchange (the same kernel library; 1.1-2.3x faster than NCCL's alone on 2x H200, "
                              "the same bytes); auto: one_shot where the mesh is two GPUs and the kernel builds")
     engine.add_argument("--compile-workers", type=int, default=None,
                         help="executables compiled at once at start-up (default: all on the CPU; on GPUs "

@@ -40,7 +40,8 @@ SCRIPTS = {"shift_x2.py": (["--smoke", "--engine-variants", "shipped,in_step_sam
            "sp_exchange.py": (["--smoke"], "sp_exchange.json"),
            "collective_matmul.py": (["--smoke"], "collective_matmul.json"),
            "one_shot_all_reduce.py": (["--smoke", "--chain", "4"], "one_shot_all_reduce.json"),
-           "command_buffer_log.py": (["--smoke"], "command_buffer_log.json")}
+           "command_buffer_log.py": (["--smoke"], "command_buffer_log.json"),
+           "exchange_bandwidth.py": (["--smoke"], "exchange.json")}
 # restore_gpu.py --smoke runs in tests/test_sharded_restore.py, which checks its phases' results
 SMOKED_ELSEWHERE = {"restore_gpu.py"}
 SLOW = {"shift_x2.py", "x8_checks.py"}  # about a minute of wall clock each on a 2-core machine
@@ -157,9 +158,12 @@ def test_script_smoke(script, tmp_path):
     if script == "one_shot_all_reduce.py":  # (psum alone on the CPU) both devices hold the same sum
         sums = [row for key, row in data.items() if ":rows" in key and ":chain" not in key]
         assert len(sums) == 8 and all(row["devices_agree"] and row["repeats_agree"] for row in sums), data
+    if script == "exchange_bandwidth.py":  # every exchange size timed (XLA's alone on the CPU)
+        assert len(data) == 7 and all(row["nccl"]["us"] > 0 for row in data.values())
     if script == "shift_x2.py":  # every engine variant decodes the same greedy tokens (same arithmetic)
         assert data["engine"]["same_tokens_everywhere"] is True, output[-2000:]
         assert set(data["xla_options"]) >= {"skip_temp", "no_command_buffers"}, data["xla_options"]
+        assert data["collectives"]["one_shot_lowered"] is True  # the kernels' chains lower (GPU-only to run)
 
 
 def test_hlo_report_sees_a_layer_slice_in_synthetic_hlo():

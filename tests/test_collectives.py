@@ -268,3 +268,13 @@ def test_store_keys_differ_by_collective(collective):
                    max_top_logprobs=0, sample_in_step=False)
     assert (step_key(weights, caches, **{collective: "xla"}, **options)
             != step_key(weights, caches, **{collective: "one_shot"}, **options))
+
+
+def test_first_ordinal_is_the_first_mesh_devices_or_none_for_another_process():
+    """(a multi-process mesh's other process sees the first device with no local ordinal;
+    the step must still build there, with XLA's collectives)"""
+    assert first_ordinal_of(make_mesh(2, 1, jax.devices()[1::-1])) == 1
+    remote = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(local_hardware_id=None)]))
+    assert first_ordinal_of(remote) is None
+    with pytest.raises(ValueError, match="both GPUs in this process"):
+        check_one_shot_ready(_fake_gpus(process_index=jax.process_index() + 1))

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from shiftjax.kernels.collectives import (
     EXCHANGE_TARGET,
+    TARGET,
     all_reduce,
     all_to_all,
     first_ordinal_of,
@@ -100,13 +101,15 @@ def test_one_shot_all_to_all_equals_xla(shape, order, split_axis, dims):
         assert (got.view(np.uint16) == want.view(np.uint16)).all(), seed
 
 
+@pytest.mark.parametrize("order", [1, -1])
 @pytest.mark.parametrize("rows", [8, 512, 4096])
-def test_one_shot_all_to_all_and_all_reduce_inside_a_cuda_graph(rows):
+def test_one_shot_all_to_all_and_all_reduce_inside_a_cuda_graph(rows, order):
     """Exchanges and sums interleaved in one jit (each protocol counts its calls on the device),
     replayed twenty times: XLA's results bit for bit. Between them only exact operations (a
     roll, halving), so that no GEMM XLA may tune differently in the two programs rounds
-    otherwise."""
-    mesh = make_mesh(2, 1, jax.devices()[:2])
+    otherwise. Both GPU orders: the exchange keeps the mesh position's half but counts its
+    calls, as the all-reduce does, on its own GPU's buffers."""
+    mesh = make_mesh(2, 1, jax.devices()[:2][::order])
     spec = P(SP)
 
     def chain(implementation):
@@ -120,6 +123,8 @@ def test_one_shot_all_to_all_and_all_reduce_inside_a_cuda_graph(rows):
             return x
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
     one_shot, xla = chain("one_shot"), chain("xla")
+    text = one_shot.lower(jnp.zeros((2 * rows, 256), jnp.bfloat16)).as_text()
+    assert text.count(f"custom_call @{EXCHANGE_TARGET}") == 8 and text.count(f"custom_call @{TARGET}") == 4
     for seed in range(20):
         x = jax.device_put(jax.random.normal(jax.random.key(seed), (2 * rows, 256), jnp.bfloat16),
                            NamedSharding(mesh, spec))
