@@ -84,6 +84,34 @@ __device__ __forceinline__ uint64_t now_ns() {
 // process silently: after this long the kernel traps, and XLA reports a CUDA error.
 constexpr uint64_t kPeerTimeoutNs = 20ull * 1000 * 1000 * 1000;
 
+// Thread 0 of a block: wait until the peer's block of the same index has raised my flag of
+// this call's slot to its tag; trap if it never does.
+__device__ void wait_for_peer(const DeviceState& mine, uint64_t slot, uint64_t tag, uint64_t call,
+                              const char* collective) {
+  const uint64_t began = now_ns();
+  while (load_acquire(mine.flags + slot * kMaxBlocks + blockIdx.x) != tag) {
+    if (now_ns() - began > kPeerTimeoutNs) {
+      printf("shiftjax one-shot %s: the peer GPU did not arrive in 20 s (call %llu)\n", collective,
+             static_cast<unsigned long long>(call));
+      __trap();
+    }
+  }
+}
+
+// Once the block is done with this call's slot: the last block out advances the call number
+// (every block has read it by then).
+__device__ void finish_call(const DeviceState& mine) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(mine.counters + 1, 1ull) == gridDim.x - 1) {
+      mine.counters[1] = 0;
+      __threadfence();
+      atomicAdd(mine.counters, 1ull);
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) one_shot_kernel(
     const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ out, int64_t n,
     DeviceState mine, DeviceState peer, size_t slot_bytes) {
@@ -103,14 +131,7 @@ __global__ void __launch_bounds__(kThreads) one_shot_kernel(
   if (threadIdx.x == 0) {
     __threadfence_system();
     store_release(peer.flags + slot * kMaxBlocks + blockIdx.x, tag);
-    const uint64_t began = now_ns();
-    while (load_acquire(mine.flags + slot * kMaxBlocks + blockIdx.x) != tag) {
-      if (now_ns() - began > kPeerTimeoutNs) {
-        printf("shiftjax one-shot all-reduce: the peer GPU did not arrive in 20 s (call %llu)\n",
-               static_cast<unsigned long long>(call));
-        __trap();
-      }
-    }
+    wait_for_peer(mine, slot, tag, call, "all-reduce");
   }
   __syncthreads();
 
@@ -126,16 +147,7 @@ __global__ void __launch_bounds__(kThreads) one_shot_kernel(
     out_words[i] = sum;
   }
 
-  // the last block out advances the call number (every block has read it by then)
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(mine.counters + 1, 1ull) == gridDim.x - 1) {
-      mine.counters[1] = 0;
-      __threadfence();
-      atomicAdd(mine.counters, 1ull);
-    }
-  }
+  finish_call(mine);
 }
 
 // The all-to-all of two GPUs (tiled, concatenated on axis 0), by the same protocol: x is
@@ -188,32 +200,14 @@ __global__ void __launch_bounds__(kThreads) exchange_kernel(
   // my own half, while the peer's is on its way
 #pragma unroll 4
   for (uint32_t i = begin + threadIdx.x; i < end; i += blockDim.x) kept[i] = x_word(i, position);
-  if (threadIdx.x == 0) {
-    const uint64_t began = now_ns();
-    while (load_acquire(mine.flags + slot * kMaxBlocks + blockIdx.x) != tag) {
-      if (now_ns() - began > kPeerTimeoutNs) {
-        printf("shiftjax one-shot all-to-all: the peer GPU did not arrive in 20 s (call %llu)\n",
-               static_cast<unsigned long long>(call));
-        __trap();
-      }
-    }
-  }
+  if (threadIdx.x == 0) wait_for_peer(mine, slot, tag, call, "all-to-all");
   __syncthreads();
 
   const uint4* received = reinterpret_cast<const uint4*>(mine.receive + slot * slot_bytes);
   uint4* placed = out + (1 - position) * words;
 #pragma unroll 4
   for (uint32_t i = begin + threadIdx.x; i < end; i += blockDim.x) placed[i] = received[i];
-
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(mine.counters + 1, 1ull) == gridDim.x - 1) {
-      mine.counters[1] = 0;
-      __threadfence();
-      atomicAdd(mine.counters, 1ull);
-    }
-  }
+  finish_call(mine);
 }
 
 bool set_error(const std::string& message) {

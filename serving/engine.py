@@ -227,7 +227,9 @@ class Engine:
         self.startup_seconds: dict[str, float] = {}
         # before any step is compiled or loaded: the one-shot kernel's buffers and FFI target
         self.all_reduce = _choose_collective("all_reduce", config.all_reduce, weights.mesh, report, self._phase)
-        self.all_to_all = _choose_collective("all_to_all", config.all_to_all, weights.mesh, report, self._phase)
+        # (no SP mode, no exchanges: nothing to set up or report)
+        self.all_to_all = _choose_collective("all_to_all", config.all_to_all if "sp" in self.modes else "xla",
+                                             weights.mesh, report, self._phase)
         # The steps pack greedy tokens and return logits; self.samplers samples where a row asks.
         compile_options = dict(max_pages=max_pages, attention=config.attention, layer_loop=layer_loop, gemm=config.gemm,
                                max_top_logprobs=config.max_top_logprobs, sample_in_step=False,

@@ -47,7 +47,7 @@ from shiftjax.serving.validation import validate_request
 
 STEP_TRACE_STEPS = 20_000  # about a minute of steps at 3 ms each; a few MB of JSON at most
 # A device error that outlives the engine's recovery (a CUDA context lost to an Xid, or the
-# one-shot all-reduce's trap after the other GPU's step failed) fails every step after it:
+# one-shot collectives' trap after the other GPU's step failed) fails every step after it:
 # after this many failed steps in a row, none finished between them, the service stops
 # reporting ready (health NOT_SERVING) and refuses new requests, so that an orchestrator
 # restarts the server instead of sending it traffic it can only fail.

@@ -197,11 +197,24 @@ def test_one_shot_needs_two_gpus(collective):
                    token_buckets=(8,), seq_buckets=(2,), attention="reference", **{collective: "one_shot"})
     with pytest.raises(ValueError, match="two GPUs; this mesh has 4 devices"):
         Engine(weights, EngineConfig(**options))
-    two_cpus = shard_params(random_params(CONFIG, seed=1, scale=0.3), CONFIG, make_mesh(1, 2, jax.devices()[:2]))
+    two_cpus = shard_params(random_params(CONFIG, seed=1, scale=0.3), CONFIG, make_mesh(2, 1, jax.devices()[:2]))
     with pytest.raises(RuntimeError, match="need two CUDA devices"):
         Engine(two_cpus, EngineConfig(**options))
     with pytest.raises(RuntimeError, match="need two CUDA devices"):
         setup_one_shot(jax.devices()[:2])
+
+
+def test_an_engine_without_sp_mode_exchanges_nothing():
+    """``--mode tp`` (or sp = 1) makes no SP step: the exchange is not set up or reported,
+    whatever was asked."""
+    weights = shard_params(random_params(CONFIG, seed=1, scale=0.3), CONFIG, make_mesh(2, 1, jax.devices()[:2]))
+    heard = []
+    engine = Engine(weights, EngineConfig(max_model_len=32, page_size=4, num_pages=16, max_num_seqs=2,
+                                          max_num_batched_tokens=8, token_buckets=(8,), seq_buckets=(2,),
+                                          attention="reference", mode="tp", all_to_all="one_shot"),
+                    report=heard.append)
+    assert engine.modes == ("tp",) and engine.all_to_all == "xla"
+    assert "all_to_all_setup" not in engine.startup_seconds and not any("all-to-all" in line for line in heard)
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "all_to_all"])
