@@ -22,7 +22,6 @@ kernel variant's output must equal NCCL's bit for bit.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import sys
@@ -86,16 +85,11 @@ def exchanges(smoke: bool) -> dict:
         targets.update(kernel=kernels.EXCHANGE_TARGET)
         ordinals = sorted(int(d.local_hardware_id) for d in mesh.devices.flat)
         for name, (threads, blocks, batch) in VARIANTS.items():
-            path = kernels._compiled(mesh.devices.flat[0], None, (
-                f"SHIFTJAX_THREADS={threads}", f"SHIFTJAX_MAX_BLOCKS={blocks}", f"SHIFTJAX_EXCHANGE_BATCH={batch}"))
-            library = ctypes.CDLL(str(path))
-            library.shiftjax_all_reduce_setup.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_int)
-            library.shiftjax_all_reduce_error.restype = ctypes.c_char_p
+            defines = (f"SHIFTJAX_THREADS={threads}", f"SHIFTJAX_MAX_BLOCKS={blocks}", f"SHIFTJAX_EXCHANGE_BATCH={batch}")
+            library = kernels._load(mesh.devices.flat[0], None, defines, suffix=f"_{name}")
             if not library.shiftjax_all_reduce_setup(*ordinals, kernels.DEFAULT_CAPACITY_BYTES, 1):
                 raise RuntimeError(library.shiftjax_all_reduce_error().decode())
-            target = f"shiftjax_exchange_{name}"
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(library.ShiftjaxOneShotAllToAll), platform="CUDA")
-            targets[name] = target
+            targets[name] = kernels.EXCHANGE_TARGET + f"_{name}"
     out = {}
     for shape_name, (shape, split_axis) in SHAPES.items():
         if smoke:

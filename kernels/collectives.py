@@ -82,17 +82,16 @@ def all_to_all(x: Float[Array, "*shape"], axis: str, split_axis: int, implementa
     """``lax.all_to_all(x, axis, split_axis, 0, tiled=True)`` (inside ``shard_map``) by
     ``implementation``. ``one_shot`` applies where ``axis`` spans the mesh's two devices,
     ``x`` is bf16, each half's rows are whole 16-byte words and a half fits
-    ``DEFAULT_CAPACITY_BYTES``; elsewhere, and for ``xla``, XLA's all-to-all (NCCL). ``first_ordinal``: the CUDA ordinal of the mesh's first device (the
-    kernels learn their rank on ``axis`` from it; ``steps.make_step`` passes it)."""
+    ``DEFAULT_CAPACITY_BYTES``; elsewhere, and for ``xla``, XLA's all-to-all (NCCL).
+    ``first_ordinal``: the CUDA ordinal of the mesh's first device (the kernel learns its
+    position on ``axis`` from it; ``steps.make_step`` passes it)."""
     if implementation not in ALL_TO_ALLS:
         raise ValueError(f"all_to_all must be one of {ALL_TO_ALLS}, got {implementation!r}")
-    shape = x.shape
     split_axis %= x.ndim
-    half_bytes = x.size * x.dtype.itemsize // 2
-    inner = int(np.prod(shape[split_axis:])) // 2  # elements of a half's row
+    outer, inner = _halves(x.shape, split_axis)
     mesh_size = jax.sharding.get_abstract_mesh().size
-    fits = (x.dtype == jax.numpy.bfloat16 and x.size > 0 and shape[split_axis] % 2 == 0 and inner % 8 == 0
-            and half_bytes <= DEFAULT_CAPACITY_BYTES)
+    fits = (x.dtype == jax.numpy.bfloat16 and x.size > 0 and x.shape[split_axis] % 2 == 0 and inner % 8 == 0
+            and outer * inner * x.dtype.itemsize <= DEFAULT_CAPACITY_BYTES)
     if implementation == "xla" or not lax.axis_size(axis) == mesh_size == 2 or not fits:
         return lax.all_to_all(x, axis, split_axis, 0, tiled=True)
     if first_ordinal is None:
@@ -104,13 +103,18 @@ def exchange_call(x, split_axis: int, target: str, first_ordinal: int):
     """The custom call ``target`` (the library's all-to-all, or a benchmark's build of it)
     for ``all_to_all``, which checks that it applies."""
     shape = x.shape
-    outer = int(np.prod(shape[:split_axis]))
-    inner = int(np.prod(shape[split_axis:])) // 2
+    outer, inner = _halves(shape, split_axis)
     out_shape = (2 * shape[0], *shape[1:]) if split_axis else shape
     out_shape = tuple(n // 2 if i == split_axis and split_axis else n for i, n in enumerate(out_shape))
     out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((2 * outer * inner,), x.dtype))(
         x.reshape(-1), outer=np.int64(outer), inner=np.int64(inner), first_ordinal=np.int64(first_ordinal))
     return out.reshape(out_shape)
+
+
+def _halves(shape: tuple[int, ...], split_axis: int) -> tuple[int, int]:
+    """``shape`` as the kernel's ``[outer][2][inner]``: rows before ``split_axis``, and the
+    elements of each half's row."""
+    return int(np.prod(shape[:split_axis])), int(np.prod(shape[split_axis:])) // 2
 
 
 def first_ordinal_of(mesh) -> int | None:
@@ -134,9 +138,11 @@ def setup_one_shot(devices, *, require_nvlink: bool = False, cache_dir: str | No
     if any(d.process_index != jax.process_index() for d in devices):
         raise RuntimeError("the one-shot collectives need both GPUs in this process (a multi-process mesh "
                            "takes XLA's)")
+    ordinals = tuple(sorted(int(d.local_hardware_id) for d in devices))
     with _lock:
+        if ordinals in _set_up:  # both collectives ask: the second finds it done (no nvcc call)
+            return
         library = _load(devices[0], cache_dir)
-        ordinals = tuple(sorted(int(d.local_hardware_id) for d in devices))
         if not library.shiftjax_all_reduce_setup(ordinals[0], ordinals[1], DEFAULT_CAPACITY_BYTES,
                                                  int(require_nvlink)):
             raise RuntimeError("one-shot collectives' set-up failed: "
@@ -158,8 +164,11 @@ def check_one_shot_ready(devices) -> None:
                          f"call kernels.collectives.setup_one_shot(mesh devices) first")
 
 
-def _load(device, cache_dir: str | None) -> ctypes.CDLL:
-    path = _compiled(device, cache_dir)
+def _load(device, cache_dir: str | None, defines: tuple[str, ...] = (), suffix: str = "") -> ctypes.CDLL:
+    """The library built for ``device`` (with ``-D`` ``defines``), loaded once, its kernels
+    registered as ``TARGET + suffix`` and ``EXCHANGE_TARGET + suffix`` (a benchmark loads
+    builds side by side under their own suffixes; each has buffers of its own to set up)."""
+    path = _compiled(device, cache_dir, defines)
     if str(path) in _loaded:
         return _loaded[str(path)]
     try:
@@ -169,8 +178,9 @@ def _load(device, cache_dir: str | None) -> ctypes.CDLL:
     library.shiftjax_all_reduce_setup.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_int)
     library.shiftjax_all_reduce_setup.restype = ctypes.c_int
     library.shiftjax_all_reduce_error.restype = ctypes.c_char_p
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.ShiftjaxOneShotAllReduce), platform="CUDA")
-    jax.ffi.register_ffi_target(EXCHANGE_TARGET, jax.ffi.pycapsule(library.ShiftjaxOneShotAllToAll), platform="CUDA")
+    jax.ffi.register_ffi_target(TARGET + suffix, jax.ffi.pycapsule(library.ShiftjaxOneShotAllReduce), platform="CUDA")
+    jax.ffi.register_ffi_target(EXCHANGE_TARGET + suffix, jax.ffi.pycapsule(library.ShiftjaxOneShotAllToAll),
+                                platform="CUDA")
     _loaded[str(path)] = library
     return library
 

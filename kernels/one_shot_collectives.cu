@@ -220,6 +220,21 @@ bool check(cudaError_t status, const char* what) {
   return set_error(std::string(what) + ": " + cudaGetErrorString(status));
 }
 
+ffi::Error launched(const char* what) {
+  cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) {
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string(what) + ": " + cudaGetErrorString(status));
+  }
+  return ffi::Error::Success();
+}
+
+// ~16 KiB of the message per block; every block of the grid must be resident at once (a block
+// waits for the peer's block of the same index), so at most max_blocks
+int grid_blocks(size_t bytes) {
+  int64_t blocks = (static_cast<int64_t>(bytes) + 16383) / 16384;
+  return static_cast<int>(blocks < 1 ? 1 : blocks > max_blocks ? max_blocks : blocks);
+}
+
 // This device's rank in the group set up, or -1.
 int rank_of(int32_t device) { return device == group[0] ? 0 : device == group[1] ? 1 : -1; }
 
@@ -238,19 +253,10 @@ ffi::Error all_reduce(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16
                       "shiftjax one-shot all-reduce: " + std::to_string(n) +
                           " elements: need a multiple of 8 and at most " + std::to_string(capacity / 2));
   }
-  // ~16 KiB per block; every block of the grid must be resident at once (a block waits for
-  // the peer's block of the same index), so at most max_blocks
-  int64_t blocks = (static_cast<int64_t>(bytes) + 16383) / 16384;
-  blocks = blocks < 1 ? 1 : blocks > max_blocks ? max_blocks : blocks;
-  one_shot_kernel<<<static_cast<int>(blocks), kThreads, 0, stream>>>(
+  one_shot_kernel<<<grid_blocks(bytes), kThreads, 0, stream>>>(
       reinterpret_cast<const __nv_bfloat16*>(x.typed_data()),
       reinterpret_cast<__nv_bfloat16*>(out->typed_data()), n, states[rank], states[1 - rank], capacity);
-  cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) {
-    return ffi::Error(ffi::ErrorCode::kInternal, std::string("one-shot all-reduce launch: ") +
-                                                     cudaGetErrorString(status));
-  }
-  return ffi::Error::Success();
+  return launched("one-shot all-reduce launch");
 }
 
 // Checks an all-to-all's operands; sets *member (this device's rank in the group set up: whose
@@ -277,19 +283,6 @@ ffi::Error check_exchange(const char* name, int32_t device, int64_t first_ordina
   return ffi::Error::Success();
 }
 
-ffi::Error launched(const char* what) {
-  cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) {
-    return ffi::Error(ffi::ErrorCode::kInternal, std::string(what) + ": " + cudaGetErrorString(status));
-  }
-  return ffi::Error::Success();
-}
-
-int exchange_blocks(size_t half_bytes) {
-  int64_t blocks = (static_cast<int64_t>(half_bytes) + 16383) / 16384;
-  return static_cast<int>(blocks < 1 ? 1 : blocks > max_blocks ? max_blocks : blocks);
-}
-
 ffi::Error all_to_all(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x, ffi::ResultBuffer<ffi::BF16> out,
                       int64_t outer, int64_t inner, int64_t first_ordinal) {
   int member = 0, position = 0;
@@ -297,7 +290,7 @@ ffi::Error all_to_all(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16
                                       static_cast<int64_t>(x.element_count()), outer, inner,
                                       static_cast<int64_t>(out->element_count()), &member, &position);
   if (checked.failure()) return checked;
-  exchange_kernel<<<exchange_blocks(outer * inner * 2), kThreads, 0, stream>>>(
+  exchange_kernel<<<grid_blocks(outer * inner * 2), kThreads, 0, stream>>>(
       reinterpret_cast<const uint4*>(x.typed_data()), reinterpret_cast<uint4*>(out->typed_data()),
       static_cast<uint32_t>(position), static_cast<uint32_t>(outer), static_cast<uint32_t>(inner / 8),
       states[member], states[1 - member], capacity);
