@@ -158,18 +158,11 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
     host's share is largest); ``seq_counts``: default 1, 8 and 64."""
     variants = list(variants)  # variants whose options this XLA refuses are dropped below
     config = big_config(smoke) if model == "llama8b" else model_gpu.SMOLLM2
-    prompt_len, decode_steps, profiled = (40, 12, 3) if smoke else (1000, 40, 12)
+    prompt_len, decode_steps, profiled = loop_lengths(smoke)
     seq_counts = seq_counts or ((1, 8) if smoke else (1, 8, 64))
     if seq_buckets and max(seq_buckets) < max(seq_counts):
         raise ValueError(f"sequence buckets {seq_buckets} cannot hold {max(seq_counts)} sequences")
     weights = shard_params(device_random_params(config, jnp.bfloat16), config, make_mesh(1, tp, jax.devices()[:tp]))
-    most = max(seq_counts)
-    # Prefill in large chunks, so that every sequence is decoding before the first one ends:
-    # the last prompt's chunks queue behind the others' decode tokens (decode comes first),
-    # and with a 64-token budget the first sequences ended before the last one began.
-    prefill_budget = 4 * prompt_len if smoke else 1024
-    max_tokens = -(-most * prompt_len // prefill_budget) + 2 * decode_steps
-    max_model_len = prompt_len + max_tokens + 8
     out = {"weight_bytes_per_device": weight_bytes_per_device(weights, weights.mesh), "rounds": rounds,
            "seq_buckets": list(seq_buckets or seq_counts), "tp": tp, "model": model}
     # one clock for every engine: the phases run one after another, each reading its own entries
@@ -177,11 +170,8 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
     engines = {}
     for variant in list(variants):
         started = time.perf_counter()
-        engine_config = EngineConfig(
-            max_model_len=max_model_len, max_num_seqs=most, num_pages=most * -(-max_model_len // PAGE) + 1,
-            max_num_batched_tokens=prefill_budget, token_buckets=(64, prefill_budget),
-            seq_buckets=seq_buckets or seq_counts, mode="tp", attention=attention, layer_loop="unrolled",
-            **_VARIANT_CONFIG.get(variant, {}))
+        engine_config, max_tokens = loop_engine_config(seq_counts, smoke, attention, seq_buckets,
+                                                       **_VARIANT_CONFIG.get(variant, {}))
         try:
             engine = _variant_engine(variant, weights, engine_config)
         except Exception as error:  # noqa: BLE001 - an XLA without the variant's option: the others still run
@@ -247,10 +237,35 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
     return out
 
 
-def _decode_phase(engine, step, clock, seqs, prompt_len, max_tokens, decode_steps, profiled) -> dict:
+def loop_lengths(smoke: bool) -> tuple[int, int, int]:
+    """The decode phase's prompt length (the context), decode steps and profiled steps."""
+    return (40, 12, 3) if smoke else (1000, 40, 12)
+
+
+def loop_engine_config(seq_counts, smoke: bool, attention: str, seq_buckets=(), **fields) -> tuple[EngineConfig, int]:
+    """The TP-mode engine of the decode loop, sized for the most sequences of ``seq_counts``,
+    and the ``max_tokens`` each request asks for (enough to decode through every step)."""
+    prompt_len, decode_steps, _ = loop_lengths(smoke)
+    most = max(seq_counts)
+    # Prefill in large chunks, so that every sequence is decoding before the first one ends:
+    # the last prompt's chunks queue behind the others' decode tokens (decode comes first),
+    # and with a 64-token budget the first sequences ended before the last one began.
+    prefill_budget = 4 * prompt_len if smoke else 1024
+    max_tokens = -(-most * prompt_len // prefill_budget) + 2 * decode_steps
+    max_model_len = prompt_len + max_tokens + 8
+    config = EngineConfig(
+        max_model_len=max_model_len, max_num_seqs=most, num_pages=most * -(-max_model_len // PAGE) + 1,
+        max_num_batched_tokens=prefill_budget, token_buckets=(64, prefill_budget),
+        seq_buckets=seq_buckets or tuple(seq_counts), mode="tp", attention=attention, layer_loop="unrolled", **fields)
+    return config, max_tokens
+
+
+def _decode_phase(engine, step, clock, seqs, prompt_len, max_tokens, decode_steps, profiled,
+                  profiler=device_idle) -> dict:
     """``seqs`` requests prefilled, then ``decode_steps`` steps in which all of them decode
     (checked: ``decoding`` counts the running requests at each timed step), the last
-    ``profiled`` of them under the profiler; then they are aborted and the engine drained."""
+    ``profiled`` of them under ``profiler(step, profiled)`` (``idle`` in the row); then they
+    are aborted and the engine drained."""
     requests = [engine.add_request([(i * 13 + j) % 1000 + 3 for j in range(prompt_len)],
                                    SamplingParams(max_tokens=max_tokens, ignore_eos=True))
                 for i in range(seqs)]
@@ -264,7 +279,7 @@ def _decode_phase(engine, step, clock, seqs, prompt_len, max_tokens, decode_step
         step()
         times.append(time.perf_counter() - begin)
     host = clock.medians_ms(since)
-    idle = device_idle(step, profiled) if profiled else {}
+    idle = profiler(step, profiled) if profiled else {}
     decoding.append(sum(not r.finished for r in requests))
     if min(decoding) != seqs:
         raise RuntimeError(f"only {min(decoding)} of {seqs} sequences decoded in every timed step")

@@ -191,9 +191,10 @@ def device_time(fn, args, iters, top=0, quiet=False):
     return out
 
 
-def _device_events(pd) -> dict[str, list[tuple[int, int, int, str]]]:
-    """Kernel records of a profile, per device plane: (start ns, end ns, duration ns, name);
-    copies left out."""
+def _device_events(pd, stats: bool = False) -> dict[str, list[tuple]]:
+    """Kernel records of a profile, per device plane: (start ns, end ns, duration ns, name),
+    and with ``stats`` a fifth item, the event's stats as a dict (XLA's ``hlo_op`` among
+    them where it annotates the kernel); copies left out."""
     planes = {}
     for plane in pd.planes:
         if "GPU" not in plane.name and "device:" not in plane.name.lower():
@@ -205,8 +206,24 @@ def _device_events(pd) -> dict[str, list[tuple[int, int, int, str]]]:
         for line in lines:
             for e in line.events:
                 if not e.name.startswith("Memcpy"):
-                    events.append((e.start_ns, e.start_ns + e.duration_ns, e.duration_ns, e.name))
+                    record = (e.start_ns, e.start_ns + e.duration_ns, e.duration_ns, e.name)
+                    events.append(record + (dict(e.stats),) if stats else record)
     return planes
+
+
+def profile(fn, iters: int):
+    """The profile (``ProfileData``) of ``iters`` calls of ``fn()``; None where the profiler
+    fails (it says why)."""
+    try:
+        from jax._src.lib import _profiler
+        from jax.profiler import ProfileData
+        sess = _profiler.ProfilerSession()
+        for _ in range(iters):
+            fn()
+        return ProfileData.from_serialized_xspace(sess.stop())
+    except Exception as e:  # pragma: no cover
+        print(f"  (profiler failed: {type(e).__name__}: {str(e)[:120]})", flush=True)
+        return None
 
 
 def device_idle(fn, iters: int, gaps: int = 5) -> dict | None:
@@ -214,32 +231,25 @@ def device_idle(fn, iters: int, gaps: int = 5) -> dict | None:
     back to back (``fn`` syncs as it must: an engine step). Per device: the window from the
     first kernel's start to the last one's end, the time no kernel runs in it, as a
     fraction, and the ``gaps`` longest idle gaps. None without a device trace."""
-    try:
-        from jax._src.lib import _profiler
-        from jax.profiler import ProfileData
-        sess = _profiler.ProfilerSession()
-        for _ in range(iters):
-            fn()
-        pd = ProfileData.from_serialized_xspace(sess.stop())
-    except Exception as e:  # pragma: no cover
-        print(f"  (profiler failed: {type(e).__name__}: {str(e)[:120]})", flush=True)
+    pd = profile(fn, iters)
+    if pd is None:
         return None
-    out = {}
-    for plane, events in _device_events(pd).items():
-        if not events:
-            continue
-        events.sort()
-        busy, idle_gaps, end = 0, [], events[0][0]
-        for start, stop, _, _ in events:
-            if start > end:
-                idle_gaps.append(start - end)
-            busy += max(stop - max(start, end), 0)
-            end = max(end, stop)
-        window = end - events[0][0]
-        out[plane] = {"window_ms": window * 1e-6, "idle_fraction": 1 - busy / window,
-                      "kernels": len(events), "longest_gaps_us": [g * 1e-3 for g in sorted(idle_gaps)[-gaps:][::-1]],
-                      **kernel_breakdown(events, iters)}
-    return out or None
+    return {plane: plane_idle(events, iters, gaps) for plane, events in _device_events(pd).items() if events} or None
+
+
+def plane_idle(events: list[tuple], iters: int, gaps: int = 5) -> dict:
+    """``device_idle``'s figures for one device's kernel records (sorted here)."""
+    events.sort(key=lambda e: e[:2])
+    busy, idle_gaps, end = 0, [], events[0][0]
+    for start, stop, *_ in events:
+        if start > end:
+            idle_gaps.append(start - end)
+        busy += max(stop - max(start, end), 0)
+        end = max(end, stop)
+    window = end - events[0][0]
+    return {"window_ms": window * 1e-6, "idle_fraction": 1 - busy / window,
+            "kernels": len(events), "longest_gaps_us": [g * 1e-3 for g in sorted(idle_gaps)[-gaps:][::-1]],
+            **kernel_breakdown(events, iters)}
 
 
 # first match wins: XLA's own all-reduce kernels are fusions named after the psum, its Triton
@@ -257,7 +267,7 @@ def kernel_breakdown(events, steps: int, top: int = 20) -> dict:
     """Per step: kernel time and count by kind (``KERNEL_KINDS``) and the ``top`` kernels by
     time, from (start, end, duration ns, name) records of ``steps`` steps."""
     kinds, names = {}, {}
-    for _, _, duration, name in events:
+    for _, _, duration, name, *_ in events:
         for table, key in ((kinds, kernel_kind(name)), (names, name[:80])):
             entry = table.setdefault(key, [0, 0])
             entry[0] += duration
