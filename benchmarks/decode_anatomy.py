@@ -3,7 +3,7 @@
 Two sections, one process:
 
 1. ``anatomy``: the engine's own decode loop (``engine_loop``'s, async, 1k-token prompts) on
-   one GPU, at each ``--seqs``. Every kernel of the profiled steady-state steps, per step:
+   one GPU, at each ``--seqs``, for each bucket ladder of ``--ladders``. Every kernel of the profiled steady-state steps, per step:
    its time, how many times it runs and the HLO instruction behind it (name, op, source
    line, from the compiled step's HLO, which is saved beside), then the same summed by
    source line; the step's wall and its floor: the bytes it must read (weights but the
@@ -12,6 +12,8 @@ Two sections, one process:
 2. ``gemms``: each projection GEMM of the shape alone, at each row count, through ``jnp.dot``
    as the model calls it (cuBLAS on the H200): 16 distinct weight copies one after another
    (more than the L2 holds), device time per GEMM and its bytes over the read-only stream.
+3. ``attention``: the Pallas decode attention at the shape's heads, 1k context, each
+   sequence count, for the shipped configuration and variants of it.
 
 ``--shape``: ``llama8b`` (Llama-3.1-8B, all 32 layers, the whole model on one GPU) or
 ``tp2_shard`` (one GPU's share of the same model in TP mode over two: half the heads, half
@@ -163,9 +165,9 @@ def by_source(table: list[dict]) -> list[dict]:
 
 # -- section 1: the engine's decode step ----------------------------------------------------
 
-def anatomy(config, seq_counts, read_bps: float, out_dir: str, smoke: bool) -> dict:
-    weights = shard_params(device_random_params(config, jnp.bfloat16), config, make_mesh(1, 1, jax.devices()[:1]))
-    engine_config, max_tokens = loop_engine_config(seq_counts, smoke, "auto")
+def anatomy(weights, config, seq_counts, read_bps: float, out_dir: str, smoke: bool, token_buckets, seq_buckets,
+            label: str = "") -> dict:
+    engine_config, max_tokens = loop_engine_config(seq_counts, smoke, "auto", seq_buckets, token_buckets)
     engine = Engine(weights, engine_config)
     prompt_len, decode_steps, profiled = loop_lengths(smoke)
     weight_bytes = weight_bytes_per_device(weights, weights.mesh)[0]
@@ -177,7 +179,8 @@ def anatomy(config, seq_counts, read_bps: float, out_dir: str, smoke: bool) -> d
             used[_key] += 1
             return _fn(*args, **kwargs)
         engine.executables.compiled[key] = counted
-    out = {"weight_bytes": weight_bytes, "config": dataclasses.asdict(config)}
+    out = {"weight_bytes": weight_bytes, "token_buckets": list(engine.executables.ladder.token_buckets),
+           "seq_buckets": list(engine.executables.ladder.seq_buckets)}
     for seqs in seq_counts:
         captured = {}
 
@@ -192,11 +195,12 @@ def anatomy(config, seq_counts, read_bps: float, out_dir: str, smoke: bool) -> d
                             profiled, profiler=profiler)
         key = captured["keys"].most_common(1)[0][0]
         text = originals[key].as_text() if hasattr(originals[key], "as_text") else ""
-        with open(os.path.join(out_dir, f"hlo_decode{seqs}.txt"), "w") as f:
+        with open(os.path.join(out_dir, f"hlo{label}_decode{seqs}.txt"), "w") as f:
             f.write(text)
         plane = next(iter((row["idle"] or {}).values()), {"events": [], "idle_fraction": None})
         events = plane["events"]
-        table = kernel_table(events, profiled, hlo_instructions(text))
+        hlo = hlo_instructions(text)
+        table = kernel_table(events, profiled, hlo)
         # the context of the profiled steps is at least the prompt and the tokens decoded before them
         context = prompt_len + decode_steps - profiled
         kv_bytes = 2 * config.num_layers * seqs * context * kv_slots * config.head_dim * 2
@@ -209,19 +213,20 @@ def anatomy(config, seq_counts, read_bps: float, out_dir: str, smoke: bool) -> d
                   "kernel_ms": sum(r["us"] for r in table) / 1e3,
                   "kernels": sum(r["calls"] for r in table), "floor_ms": floor_ms, "weight_bytes": weight_bytes,
                   "kv_bytes": kv_bytes, "context_at_least": context,
+                  "hlo_instructions_from_model": sum((i["source"] or "").startswith("model.py") for i in hlo.values()),
                   "floor_over_wall": floor_ms / row["wall_ms_median"],
                   "by_kind": {k: {"us": v[0], "calls": v[1]} for k, v in kinds.items()},
                   "kernels_table": table, "by_source": by_source(table)}
         out[f"decode{seqs}"] = result
-        log(f"[anatomy] {seqs} seqs, executable {key}: {row['wall_ms_median']:.2f} ms a step, kernels "
+        log(f"[anatomy{label}] {seqs} seqs, executable {key}: {row['wall_ms_median']:.2f} ms a step, kernels "
             f"{result['kernel_ms']:.2f} ms x{result['kernels']:.0f}; floor {floor_ms:.2f} ms "
             f"({weight_bytes / 1e9:.2f} GB weights + {kv_bytes / 1e9:.2f} GB K/V) = {result['floor_over_wall']:.0%} of the wall")
         log("  by kind: " + ", ".join(f"{k} {v['us'] / 1e3:.3f} ms x{v['calls']:.0f}" for k, v in result["by_kind"].items()))
-        for r in table[:40]:
+        for r in table[:25]:
             log(f"  {r['us']:8.1f} us x{r['calls']:5.1f}  {r['kind'][:10]:10s} {r['kernel'][:60]:60s} "
                 f"{r.get('op') or ''} {r.get('op_name') or ''} {r.get('source') or ''}")
         log("  by source line:")
-        for r in result["by_source"][:25]:
+        for r in result["by_source"][:15]:
             log(f"  {r['us']:8.1f} us x{r['calls']:5.1f}  {r['source']:28s} {', '.join(r['what'])[:90]}")
     return out
 
@@ -253,12 +258,70 @@ def gemm_rates(config, rows_list, read_bps: float) -> dict:
     return out
 
 
+# -- section 3: the decode attention kernel's tuning at the shape's heads ----------------------
+
+def attention_configs(smoke: bool):
+    """The shipped decode configuration, then variants of key block, stages, warps and splits."""
+    from shiftjax.kernels.pallas_gpu import PallasAttentionConfig
+    if smoke:
+        return {"shipped": PallasAttentionConfig(interpret=True)}
+    return {"shipped": PallasAttentionConfig(),
+            "bk64_s3": PallasAttentionConfig(decode_block_k=64, decode_num_stages=3),
+            "bk64_s4": PallasAttentionConfig(decode_block_k=64, decode_num_stages=4),
+            "bk32_s4": PallasAttentionConfig(decode_block_k=32, decode_num_stages=4),
+            "bk128_s3": PallasAttentionConfig(decode_num_stages=3),
+            "bk128_w8": PallasAttentionConfig(decode_num_warps=8),
+            "bk64_s3_w2": PallasAttentionConfig(decode_block_k=64, decode_num_stages=3, decode_num_warps=2),
+            "splits1": PallasAttentionConfig(decode_splits=1),
+            "splits2": PallasAttentionConfig(decode_splits=2),
+            "splits4": PallasAttentionConfig(decode_splits=4),
+            "splits8": PallasAttentionConfig(decode_splits=8)}
+
+
+def attention_sweep(config, seq_counts, read_bps: float, smoke: bool) -> dict:
+    """One decode attention call (the whole Pallas path: q re-layout, both kernels, the
+    combine, the scatter back) per configuration, at the shape's heads and each sequence
+    count, 1k context (each on shuffled pages), timed as attention_bench times it."""
+    import numpy as np
+    from attention_bench import make_batch, per_layer_time
+    context, layers = (40, 2) if smoke else (1024, 8)
+    out = {}
+    for seqs in seq_counts:
+        q, kc, vc, md = make_batch(np.random.default_rng(seqs), [1] * seqs, [context] * seqs,
+                                   q_heads=config.num_heads, kv_slots=config.num_kv_heads, head_dim=config.head_dim,
+                                   page_size=16, layers=layers, dtype=jnp.bfloat16)
+        kv_bytes = 2 * seqs * context * config.num_kv_heads * config.head_dim * 2
+        for name, cfg in attention_configs(smoke).items():
+            try:
+                seconds = per_layer_time(q, kc, vc, md, implementation="pallas", config=cfg, iters=3 if smoke else 20)
+            except Exception as error:  # noqa: BLE001 - a variant Triton refuses is reported
+                out[f"{name}:{seqs}"] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+                continue
+            out[f"{name}:{seqs}"] = {"us": seconds * 1e6, "TBps": kv_bytes / seconds / 1e12,
+                                     "of_read_stream": kv_bytes / seconds / read_bps}
+            log(f"[attention] {seqs:3d} seqs x {context}, {config.num_heads} q / {config.num_kv_heads} kv, {name:10s}: "
+                f"{seconds * 1e6:7.1f} us a layer, {kv_bytes / seconds / 1e12:.2f} TB/s of K/V "
+                f"= {kv_bytes / seconds / read_bps:.0%} of the read stream")
+        del q, kc, vc
+    return out
+
+
+def _buckets(spec: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    tokens, seqs = spec.split(":")
+    return tuple(int(t) for t in tokens.split(",") if t), tuple(int(s) for s in seqs.split(",") if s)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, any machine: the code path only")
     parser.add_argument("--shape", choices=SHAPES, default="tp2_shard")
     parser.add_argument("--seqs", default="8,64", help="sequence counts of the decode steps")
-    parser.add_argument("--sections", default="anatomy,gemms")
+    parser.add_argument("--sections", default="anatomy,gemms,attention")
+    parser.add_argument("--ladders", default=":",
+                        help="the engines' buckets, ';'-separated 'TOKENS:SEQS' (e.g. ':;64:8,64'): token buckets "
+                             "below the prefill budget, sequence buckets (both empty: the engine's default ladder; "
+                             "see engine_loop.loop_engine_config)")
+    parser.add_argument("--gemm-rows", default="1,8,16,32,64,128,256")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -271,10 +334,18 @@ def main():
     path = os.path.join(args.out, "decode_anatomy.json")
     started = time.perf_counter()
     if "anatomy" in args.sections:
-        results["anatomy"] = anatomy(config, seq_counts, read["best"], args.out, args.smoke)
-        write_results(results, path)
+        weights = shard_params(device_random_params(config, jnp.bfloat16), config, make_mesh(1, 1, jax.devices()[:1]))
+        for i, spec in enumerate(args.ladders.split(";")):
+            token_buckets, seq_buckets = _buckets(spec)
+            results[f"anatomy:{spec}"] = anatomy(weights, config, seq_counts, read["best"], args.out, args.smoke,
+                                                 token_buckets, seq_buckets, label=f"_ladder{i}")
+            write_results(results, path)
+        del weights
     if "gemms" in args.sections:
-        results["gemms"] = gemm_rates(config, seq_counts, read["best"])
+        results["gemms"] = gemm_rates(config, [int(r) for r in args.gemm_rows.split(",")], read["best"])
+        write_results(results, path)
+    if "attention" in args.sections:
+        results["attention"] = attention_sweep(config, seq_counts, read["best"], args.smoke)
     results["seconds"] = time.perf_counter() - started
     write_results(results, path)
     log(f"wrote {path}")

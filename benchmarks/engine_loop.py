@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import time
 from unittest import mock
@@ -19,7 +20,7 @@ import numpy as np
 import model_gpu
 from model_gpu import device_random_params
 from roofline import device_idle
-from shift_x2 import COMMAND_BUFFER_OPTIONS, PAGE, big_config, log, weight_bytes_per_device
+from shift_x2 import COMMAND_BUFFER_OPTIONS, PAGE, big_config, kv_bytes_per_token, log, weight_bytes_per_device
 
 from shiftjax import model as model_module
 from shiftjax.layouts.mesh import make_mesh
@@ -136,7 +137,7 @@ class _HostClock:
 
 def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 2,
                 seq_buckets: tuple[int, ...] = (), tp: int = 2, model: str = "llama8b",
-                seq_counts: tuple[int, ...] = ()) -> dict:
+                seq_counts: tuple[int, ...] = (), token_buckets: tuple[int, ...] = ()) -> dict:
     """Wall time per decode step in the engine's own loop (schedule, pad, place, run,
     fetch, commit), pure TP over ``tp`` GPUs (a (1, tp) mesh: one mode, so only TP
     executables; ``tp`` 1: one GPU, the whole model), at 1, 8 and 64 sequences of 1k
@@ -152,8 +153,11 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
     times in all, so that neither drift nor going first favours one (earlier runs, which
     measured one variant after another, saw the first one launch slower).
 
-    ``seq_buckets``: the engines' sequence buckets (default: one per sequence count; ``8,64``
-    runs one sequence in a bucket of 8, as ``serve``'s default ladder does). ``model``:
+    ``token_buckets`` and ``seq_buckets``: the engines' buckets (``loop_engine_config``;
+    default: the engine's own ladder for 64 sequences and a 1024-token budget, 16 and 64 tokens
+    and sequences, where 1 and 8 sequences decode in a (16, 16) step; before 2026-12-01 the
+    default was token buckets 64 and 1024, one sequence bucket per count, so every decode step
+    ran 64 rows: ``token_buckets=(64,), seq_buckets=(1, 8, 64)`` reproduces it). ``model``:
     ``llama8b`` (Llama-3.1-8B shape) or ``smollm2`` (the default model's shape, where the
     host's share is largest); ``seq_counts``: default 1, 8 and 64."""
     variants = list(variants)  # variants whose options this XLA refuses are dropped below
@@ -164,13 +168,14 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
         raise ValueError(f"sequence buckets {seq_buckets} cannot hold {max(seq_counts)} sequences")
     weights = shard_params(device_random_params(config, jnp.bfloat16), config, make_mesh(1, tp, jax.devices()[:tp]))
     out = {"weight_bytes_per_device": weight_bytes_per_device(weights, weights.mesh), "rounds": rounds,
-           "seq_buckets": list(seq_buckets or seq_counts), "tp": tp, "model": model}
+           "tp": tp, "model": model, "kv_bytes_per_token_per_device": kv_bytes_per_token(weights, config),
+           "context_at_least": prompt_len}  # every timed step reads at least the prompt's K/V
     # one clock for every engine: the phases run one after another, each reading its own entries
     clock = _HostClock()
     engines = {}
     for variant in list(variants):
         started = time.perf_counter()
-        engine_config, max_tokens = loop_engine_config(seq_counts, smoke, attention, seq_buckets,
+        engine_config, max_tokens = loop_engine_config(seq_counts, smoke, attention, seq_buckets, token_buckets,
                                                        **_VARIANT_CONFIG.get(variant, {}))
         try:
             engine = _variant_engine(variant, weights, engine_config)
@@ -182,6 +187,7 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
             variants.remove(variant)
             continue
         out[f"{variant}:startup"] = {"seconds": time.perf_counter() - started, "phases": engine.startup_seconds}
+        out["ladder"] = dataclasses.asdict(engine.executables.ladder)
         engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
         engine.scheduler.commit = clock.wrap("commit", engine.scheduler.commit)
         engine.executables.compiled = {key: clock.wrap("dispatch", fn) for key, fn in engine.executables.compiled.items()}
@@ -242,9 +248,13 @@ def loop_lengths(smoke: bool) -> tuple[int, int, int]:
     return (40, 12, 3) if smoke else (1000, 40, 12)
 
 
-def loop_engine_config(seq_counts, smoke: bool, attention: str, seq_buckets=(), **fields) -> tuple[EngineConfig, int]:
+def loop_engine_config(seq_counts, smoke: bool, attention: str, seq_buckets=(), token_buckets=(),
+                       **fields) -> tuple[EngineConfig, int]:
     """The TP-mode engine of the decode loop, sized for the most sequences of ``seq_counts``,
-    and the ``max_tokens`` each request asks for (enough to decode through every step)."""
+    and the ``max_tokens`` each request asks for (enough to decode through every step).
+    Its buckets: the engine's default ladder for that size (``BucketLadder.geometric``), or
+    where either is given ``seq_buckets`` (default: ``seq_counts``) and ``token_buckets``
+    (default: the sequence buckets; the prefill budget is always one)."""
     prompt_len, decode_steps, _ = loop_lengths(smoke)
     most = max(seq_counts)
     # Prefill in large chunks, so that every sequence is decoding before the first one ends:
@@ -253,10 +263,16 @@ def loop_engine_config(seq_counts, smoke: bool, attention: str, seq_buckets=(), 
     prefill_budget = 4 * prompt_len if smoke else 1024
     max_tokens = -(-most * prompt_len // prefill_budget) + 2 * decode_steps
     max_model_len = prompt_len + max_tokens + 8
+    ladder = {}
+    if token_buckets or seq_buckets:
+        seq_buckets = tuple(seq_buckets or seq_counts)
+        token_buckets = tuple(token_buckets or seq_buckets)
+        ladder = {"token_buckets": tuple(sorted({t for t in token_buckets if t < prefill_budget} | {prefill_budget})),
+                  "seq_buckets": seq_buckets}
     config = EngineConfig(
         max_model_len=max_model_len, max_num_seqs=most, num_pages=most * -(-max_model_len // PAGE) + 1,
-        max_num_batched_tokens=prefill_budget, token_buckets=(64, prefill_budget),
-        seq_buckets=seq_buckets or tuple(seq_counts), mode="tp", attention=attention, layer_loop="unrolled", **fields)
+        max_num_batched_tokens=prefill_budget, mode="tp", attention=attention, layer_loop="unrolled",
+        **ladder, **fields)
     return config, max_tokens
 
 

@@ -342,8 +342,8 @@ def simulate_deployment(model: StepModel, name: str, requests, max_concurrency, 
     dep = dataclasses.replace(dep, sp_weights=sp_weights)
     modes = ("tp", "sp") if dep.sp > 1 else ("tp",)
     # the engine's default ladder when projection.md was made (sequence buckets 1, 4, ...; today's
-    # start at 8): kept, so that the committed projection reproduces
-    ladder = BucketLadder.geometric(8192, 256, min_seqs=1, multiple=dep.sp)
+    # are its token buckets): kept, so that the committed projection reproduces
+    ladder = BucketLadder(BucketLadder.geometric(8192, 256, multiple=dep.sp).token_buckets, (1, 4, 16, 64, 256))
     step = model.step_seconds(dep)
     run_seconds = sim.measured_run_seconds(ladder, modes, step)
     config = SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=16384, page_size=16,

@@ -123,6 +123,12 @@ def weight_bytes_per_device(weights, mesh) -> list[int]:
                 if s.device == d) for d in mesh.devices.flat]
 
 
+def kv_bytes_per_token(weights, config) -> int:
+    """K and V bytes a decode step reads per token of context on each device: every layer's
+    K and V rows of the KV slots a device holds (TP mode spreads the slots over every device)."""
+    return 2 * config.num_layers * weights.dims.kv_slots * config.head_dim * jnp.dtype(jnp.bfloat16).itemsize
+
+
 def time_steps(weights, mesh, shapes: dict, *, attention: str, profile: bool, num_pages: int,
                compiler_options: dict | None = None, sample_in_step: bool = True, all_to_all: str = "xla") -> dict:
     """Wall (median, synchronised) and device span of each (mode, shape) step, compiled
@@ -295,7 +301,7 @@ def step_table(smoke: bool, attention: str, profile: bool, where: str) -> dict:
     del params
     gemm = EngineConfig.gemm
     out = {"layers": config.num_layers, "weight_bytes_per_device": weight_bytes_per_device(weights, mesh),
-           "gemm": gemm}
+           "kv_bytes_per_token_per_device": kv_bytes_per_token(weights, config), "decode_context": ctx + 1, "gemm": gemm}
     out.update(time_steps(weights, mesh, shapes, attention=attention, profile=profile, num_pages=num_pages,
                           compiler_options=executables_module.xla_compiler_options(gemm, jax.devices()[0].platform)))
     return out
@@ -546,13 +552,23 @@ def summarise(results: dict) -> dict:
     floor_mesh = max(mesh["weight_bytes_per_device"]) / read
     floor_one = max(one["weight_bytes_per_device"]) / read
     s = {"read_TBps": read / 1e12, "tp_weight_floor_ms_2gpu": floor_mesh * 1e3, "weight_floor_ms_1gpu": floor_one * 1e3}
+
+    def kv_floor(table, seqs, context):  # the K/V a decode step reads, over the same stream
+        return seqs * context * table.get("kv_bytes_per_token_per_device", 0) / read
+
+    engine = results.get("engine", {})
     for n in (8, 64):
-        s[f"tp_dec{n}_floor_ratio"] = floor_mesh * 1e3 / mesh[f"tp:dec{n}"]["wall_ms"]
-        s[f"1gpu_dec{n}_floor_ratio"] = floor_one * 1e3 / one[f"tp:dec{n}"]["wall_ms"]
+        # weight floor: the issue's; floor: weights and the K/V of every context (bytes read)
+        for name, table, floor in (("tp", mesh, floor_mesh), ("1gpu", one, floor_one)):
+            wall = table[f"tp:dec{n}"]["wall_ms"]
+            s[f"{name}_dec{n}_weight_floor_ratio"] = floor * 1e3 / wall
+            s[f"{name}_dec{n}_floor_ratio"] = (floor + kv_floor(table, n, table.get("decode_context", 0))) * 1e3 / wall
         for loop in ("sync", "async"):
-            for key, row in results.get("engine", {}).items():
+            for key, row in engine.items():
                 if key.endswith(f"{loop}:dec{n}"):
-                    s[f"engine_{key}_floor_ratio"] = floor_mesh * 1e3 / row["wall_ms_median"]
+                    s[f"engine_{key}_weight_floor_ratio"] = floor_mesh * 1e3 / row["wall_ms_median"]
+                    s[f"engine_{key}_floor_ratio"] = (floor_mesh + kv_floor(engine, n, engine.get("context_at_least", 0))
+                                                      ) * 1e3 / row["wall_ms_median"]
     s["tp_dec8_vs_1gpu_dec4_speedup"] = one["tp:dec4"]["wall_ms"] / mesh["tp:dec8"]["wall_ms"]
     # Equal work: the mesh prefills two prompts in one step; DP gives each GPU one.
     s["sp_vs_dp_throughput"] = one["tp:pre1x2048"]["wall_ms"] / mesh["sp:pre2x2048"]["wall_ms"]
@@ -573,7 +589,8 @@ def _engine_part(args, attention: str) -> dict:
     return _engine_loop_module().engine_loop(
         args.smoke, attention, args.engine_variants.split(","), args.engine_rounds,
         tuple(int(b) for b in args.engine_seq_buckets.split(",") if b), args.engine_tp, args.engine_model,
-        tuple(int(n) for n in args.engine_seq_counts.split(",") if n))
+        tuple(int(n) for n in args.engine_seq_counts.split(",") if n),
+        tuple(int(t) for t in args.engine_token_buckets.split(",") if t))
 
 
 def main() -> int:
@@ -592,7 +609,11 @@ def main() -> int:
     parser.add_argument("--engine-rounds", type=int, default=2,
                         help="times the engine part measures every (variant, loop), in alternating order")
     parser.add_argument("--engine-seq-buckets", default="",
-                        help="the engine part's sequence buckets, comma separated (default: its sequence counts)")
+                        help="the engine part's sequence buckets, comma separated (default: the engine's ladder; "
+                             "given alone, its token buckets are these)")
+    parser.add_argument("--engine-token-buckets", default="",
+                        help="the engine part's token buckets below its prefill budget (default: the engine's "
+                             "ladder; '64' with --engine-seq-buckets 1,8,64 is the default before 2026-12-01)")
     parser.add_argument("--engine-tp", type=int, default=2,
                         help="GPUs the engine part's TP mesh spans (1: one GPU, the whole model)")
     parser.add_argument("--engine-model", default="llama8b", choices=("llama8b", "smollm2"),

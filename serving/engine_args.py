@@ -58,7 +58,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--token-buckets", type=_id_list, default=None, metavar="16,64,128",
                         help="token counts to compile a step for (default: 16 x 4**i up to the max)")
     engine.add_argument("--seq-buckets", type=_id_list, default=None, metavar="1,4,8",
-                        help="sequence counts to compile a step for (default: 8 x 4**i up to the max)")
+                        help="sequence counts to compile a step for (default: the token buckets below the max, "
+                             "then the max)")
     engine.add_argument("--attention", choices=("reference", "pallas", "auto"), default="auto")
     # executables.GEMM_BACKENDS (not imported: this module is read before JAX is configured)
     engine.add_argument("--gemm", choices=("triton", "cublas"), default="cublas",

@@ -51,16 +51,19 @@ class BucketLadder:
                 raise ValueError(f"{name} must be strictly increasing positive integers, got {values}")
 
     @classmethod
-    def geometric(cls, max_tokens: int, max_seqs: int, *, min_tokens: int = 16, min_seqs: int = 8,
-                  factor: int = 4, multiple: int = 1):
+    def geometric(cls, max_tokens: int, max_seqs: int, *, min_tokens: int = 16, factor: int = 4,
+                  multiple: int = 1):
         """Token buckets ``min_tokens * factor**i`` up to ``max_tokens`` (which is always one),
-        rounded up to multiples of ``multiple`` (the SP degree), and sequence buckets
-        ``min_seqs * factor**i`` up to ``max_seqs``. Each bucket is one executable per mode,
-        compiled at start, so the ladder trades padding against start-up time. No sequence
-        bucket below 8: one decoding sequence in a bucket of 8 ran as fast as in a bucket of
-        one, within the +-0.5 ms noise (Llama-3.1-8B shape, TP on 2x H200; x2_results.md,
-        "A sequence bucket costs nothing measurable"), and each bucket dropped takes a
-        compile per mode off every cold start."""
+        rounded up to multiples of ``multiple`` (the SP degree); sequence buckets: the token
+        buckets below ``max_seqs``, then ``max_seqs``. Each bucket pair is one executable per
+        mode, compiled at start, so the ladder trades padding against start-up time.
+
+        The sequence buckets are token buckets so that a decode step of a bucket's worth of
+        sequences (one token each) runs in a step of as many tokens. Sequence buckets of
+        8, 32, 128 beside token buckets 16, 64, 256 (before) ran 64 decoding sequences as a
+        step of 256 tokens for 128 sequences: 1.31x the device time of a (64, 64) step
+        (Llama-3.1-8B's TP shard on one H200, ``benchmarks/decode_anatomy.py``). Below 16
+        rows the GEMMs gain little (16 rows against 8: 0-10% per projection, 2% a step)."""
         def ladder(first, last):
             values, v = [], first
             while v < last:
@@ -68,9 +71,10 @@ class BucketLadder:
                 v *= factor
             return values + [last]
 
-        tokens = [-(-t // multiple) * multiple for t in ladder(min(min_tokens, max_tokens), max_tokens)]
+        tokens = sorted({-(-t // multiple) * multiple for t in ladder(min(min_tokens, max_tokens), max_tokens)})
         # (a sequence bucket above the largest token bucket would pair with no token bucket)
-        return cls(tuple(sorted(set(tokens))), tuple(ladder(min(min_seqs, max_seqs, tokens[-1]), max_seqs)))
+        seqs = {t for t in tokens if t < max_seqs} | {min(max_seqs, tokens[-1])}
+        return cls(tuple(tokens), tuple(sorted(seqs)))
 
     @property
     def result_rows(self) -> int:

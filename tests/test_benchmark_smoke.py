@@ -41,7 +41,8 @@ SCRIPTS = {"shift_x2.py": (["--smoke", "--engine-variants", "shipped,in_step_sam
            "collective_matmul.py": (["--smoke"], "collective_matmul.json"),
            "one_shot_all_reduce.py": (["--smoke", "--chain", "4"], "one_shot_all_reduce.json"),
            "command_buffer_log.py": (["--smoke"], "command_buffer_log.json"),
-           "exchange_bandwidth.py": (["--smoke"], "exchange.json")}
+           "exchange_bandwidth.py": (["--smoke"], "exchange.json"),
+           "decode_anatomy.py": (["--smoke", "--seqs", "8", "--gemm-rows", "8"], "decode_anatomy.json")}
 # restore_gpu.py --smoke runs in tests/test_sharded_restore.py, which checks its phases' results
 SMOKED_ELSEWHERE = {"restore_gpu.py"}
 SLOW = {"shift_x2.py", "x8_checks.py"}  # about a minute of wall clock each on a 2-core machine
@@ -160,10 +161,55 @@ def test_script_smoke(script, tmp_path):
         assert len(sums) == 8 and all(row["devices_agree"] and row["repeats_agree"] for row in sums), data
     if script == "exchange_bandwidth.py":  # every exchange size timed (XLA's alone on the CPU)
         assert len(data) == 7 and all(row["nccl"]["us"] > 0 for row in data.values())
+    if script == "decode_anatomy.py":  # the decode step found (the engine's ladder) and its HLO read back
+        decode = data["anatomy::"]["decode8"]
+        assert decode["executable"] == ["tp", 16, 8] and decode["hlo_instructions_from_model"] > 0, decode
     if script == "shift_x2.py":  # every engine variant decodes the same greedy tokens (same arithmetic)
         assert data["engine"]["same_tokens_everywhere"] is True, output[-2000:]
         assert set(data["xla_options"]) >= {"skip_temp", "no_command_buffers"}, data["xla_options"]
         assert data["collectives"]["one_shot_lowered"] is True  # the kernels' chains lower (GPU-only to run)
+
+
+_ANATOMY_HLO = """HloModule m
+
+FileNames
+1 "/x/shiftjax/model.py"
+
+FunctionNames
+1 "rms_norm"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=36 end_line=36 column=1 end_column=2}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+
+%fused_computation.3 (param_0: f32[8]) -> f32[8] {
+  %param_0 = f32[8]{0} parameter(0)
+  ROOT %multiply.1 = f32[8]{0} multiply(%param_0, %param_0), metadata={op_name="jit(step)/mul" stack_frame_id=1}
+}
+
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %custom-call.1 = f32[8]{0} custom-call(%p), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(step)/dot_general" source_file="/x/shiftjax/model.py" source_line=120}
+  ROOT %loop_multiply_fusion.3 = f32[8]{0} fusion(%custom-call.1), kind=kLoop, calls=%fused_computation.3
+}
+"""
+
+
+def test_decode_anatomy_names_each_kernel_by_its_hlo_and_source_line():
+    """A fusion's kernel is found by its name (its fused root's stack frame gives the line);
+    a library kernel by XLA's hlo_op annotation; times and calls are per step."""
+    sys.path.insert(0, str(BENCH))
+    from decode_anatomy import by_source, hlo_instructions, kernel_table
+    hlo = hlo_instructions(_ANATOMY_HLO)
+    events = [(0, 10, 10_000, "loop_multiply_fusion_3", {}), (20, 30, 3_000, "nvjet_sm90_tst", {"hlo_op": "custom-call.1"}),
+              (40, 50, 10_000, "loop_multiply_fusion_3", {}), (60, 70, 3_000, "nvjet_sm90_tst", {"hlo_op": "custom-call.1"})]
+    norm, gemm = kernel_table(events, 2, hlo)
+    assert (norm["kernel"], norm["us"], norm["calls"], norm["source"], norm["op_name"]) == \
+        ("loop_multiply_fusion_3", 10.0, 1.0, "model.py:36 rms_norm", "mul")
+    assert (gemm["kind"], gemm["us"], gemm["target"], gemm["source"]) == ("gemm", 3.0, "__cublas$lt$matmul", "model.py:120")
+    assert [row["source"] for row in by_source([norm, gemm])] == ["model.py:36 rms_norm", "model.py:120"]
 
 
 def test_hlo_report_sees_a_layer_slice_in_synthetic_hlo():

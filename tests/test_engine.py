@@ -341,9 +341,15 @@ def test_sampling_params_are_validated(field, value):
 
 def test_bucket_ladder():
     ladder = BucketLadder.geometric(128, 8, multiple=2)
-    assert ladder.token_buckets == (16, 64, 128) and ladder.seq_buckets == (8,)  # none below 8
+    assert ladder.token_buckets == (16, 64, 128) and ladder.seq_buckets == (8,)
     assert ladder.pick(17, 3) == (64, 8) and ladder.pick(1, 1) == (16, 8)
-    assert BucketLadder.geometric(8192, 256).seq_buckets == (8, 32, 128, 256)
+    served = BucketLadder.geometric(8192, 256)
+    assert served.seq_buckets == (16, 64, 256)
+    # a decode step of a bucket's worth of sequences runs as a step of as many tokens
+    assert [served.pick(n, n) for n in (16, 64, 256)] == [(16, 16), (64, 64), (256, 256)]
+    assert served.pick(40, 40) == (64, 64) and served.pick(5, 5) == (16, 16)
+    assert BucketLadder.geometric(8192, 100).seq_buckets == (16, 64, 100)
+    assert BucketLadder.geometric(8192, 256, multiple=3).seq_buckets == (18, 66, 256)
     assert BucketLadder.geometric(64, 4).seq_buckets == (4,)
     small = BucketLadder.geometric(4, 8)  # a token budget under 8 still gets a bucket pair
     assert small.pairs() == [(4, 4)] and small.max_seqs() == 4 and small.pick(3, 2) == (4, 4)
