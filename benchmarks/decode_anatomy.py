@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import os
 import re
 import sys
 import time
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -210,6 +212,7 @@ def anatomy(weights, config, seq_counts, read_bps: float, out_dir: str, smoke: b
             kinds[r["kind"]][0] += r["us"]
             kinds[r["kind"]][1] += r["calls"]
         result = {"executable": list(key), "wall_ms": row["wall_ms_median"], "idle_fraction": plane["idle_fraction"],
+                  "output_ids": row["output_ids"],
                   "kernel_ms": sum(r["us"] for r in table) / 1e3,
                   "kernels": sum(r["calls"] for r in table), "floor_ms": floor_ms, "weight_bytes": weight_bytes,
                   "kv_bytes": kv_bytes, "context_at_least": context,
@@ -217,7 +220,8 @@ def anatomy(weights, config, seq_counts, read_bps: float, out_dir: str, smoke: b
                   "floor_over_wall": floor_ms / row["wall_ms_median"],
                   "by_kind": {k: {"us": v[0], "calls": v[1]} for k, v in kinds.items()},
                   "kernels_table": table, "by_source": by_source(table)}
-        out[f"decode{seqs}"] = result
+        # a sequence count listed again is another phase of the same engine (host time varies by phase)
+        out[f"decode{seqs}" + "".join(f"_{i}" for i in [sum(k.startswith(f"decode{seqs}") for k in out)] if i)] = result
         log(f"[anatomy{label}] {seqs} seqs, executable {key}: {row['wall_ms_median']:.2f} ms a step, kernels "
             f"{result['kernel_ms']:.2f} ms x{result['kernels']:.0f}; floor {floor_ms:.2f} ms "
             f"({weight_bytes / 1e9:.2f} GB weights + {kv_bytes / 1e9:.2f} GB K/V) = {result['floor_over_wall']:.0%} of the wall")
@@ -278,7 +282,29 @@ def attention_configs(smoke: bool):
             "splits8": PallasAttentionConfig(decode_splits=8)}
 
 
-def attention_sweep(config, seq_counts, read_bps: float, smoke: bool) -> dict:
+def baseline_kernels(path: str):
+    """The Pallas attention module at ``path`` (an earlier ``kernels/pallas_gpu.py``), loaded
+    inside the package so that its relative imports resolve."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("shiftjax.kernels.pallas_gpu_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up there)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def attention_from(module):
+    """``ragged_paged_attention``'s Pallas path taken from ``module`` (None: as it is)."""
+    from shiftjax.kernels import pallas_gpu
+    with contextlib.ExitStack() as stack:
+        if module is not None:
+            stack.enter_context(mock.patch.object(pallas_gpu, "ragged_paged_attention_pallas",
+                                                  module.ragged_paged_attention_pallas))
+        yield
+
+
+def attention_sweep(config, seq_counts, read_bps: float, smoke: bool, baseline=None) -> dict:
     """One decode attention call (the whole Pallas path: q re-layout, both kernels, the
     combine, the scatter back) per configuration, at the shape's heads and each sequence
     count, 1k context (each on shuffled pages), timed as attention_bench times it."""
@@ -291,9 +317,14 @@ def attention_sweep(config, seq_counts, read_bps: float, smoke: bool) -> dict:
                                    q_heads=config.num_heads, kv_slots=config.num_kv_heads, head_dim=config.head_dim,
                                    page_size=16, layers=layers, dtype=jnp.bfloat16)
         kv_bytes = 2 * seqs * context * config.num_kv_heads * config.head_dim * 2
-        for name, cfg in attention_configs(smoke).items():
+        configs = [(name, cfg, None) for name, cfg in attention_configs(smoke).items()]
+        if baseline is not None:  # its own defaults (its config class is its own)
+            configs.insert(1, ("baseline", attention_configs(smoke)["shipped"] if smoke else None, baseline))
+        for name, cfg, module in configs:
             try:
-                seconds = per_layer_time(q, kc, vc, md, implementation="pallas", config=cfg, iters=3 if smoke else 20)
+                with attention_from(module):
+                    seconds = per_layer_time(q, kc, vc, md, implementation="pallas", config=cfg,
+                                             iters=3 if smoke else 20)
             except Exception as error:  # noqa: BLE001 - a variant Triton refuses is reported
                 out[f"{name}:{seqs}"] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
                 continue
@@ -322,6 +353,8 @@ def main():
                              "below the prefill budget, sequence buckets (both empty: the engine's default ladder; "
                              "see engine_loop.loop_engine_config)")
     parser.add_argument("--gemm-rows", default="1,8,16,32,64,128,256")
+    parser.add_argument("--attention-baseline", default="",
+                        help="an earlier kernels/pallas_gpu.py: the anatomy and the attention section run it too")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -331,21 +364,31 @@ def main():
     results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "shape": args.shape,
                "read_ceiling": read}
     log(f"device {results['device']}, read-only stream {read['best'] / 1e12:.2f} TB/s (best of {read['tries']})")
+    baseline = baseline_kernels(args.attention_baseline) if args.attention_baseline else None
     path = os.path.join(args.out, "decode_anatomy.json")
     started = time.perf_counter()
     if "anatomy" in args.sections:
         weights = shard_params(device_random_params(config, jnp.bfloat16), config, make_mesh(1, 1, jax.devices()[:1]))
-        for i, spec in enumerate(args.ladders.split(";")):
+        runs = [(f"anatomy:{spec}", spec, f"_ladder{i}", None) for i, spec in enumerate(args.ladders.split(";"))]
+        if baseline is not None:  # the first ladder again, with the baseline's kernels
+            runs.append((f"anatomy_baseline:{runs[0][1]}", runs[0][1], "_baseline", baseline))
+        for key, spec, label, module in runs:
             token_buckets, seq_buckets = _buckets(spec)
-            results[f"anatomy:{spec}"] = anatomy(weights, config, seq_counts, read["best"], args.out, args.smoke,
-                                                 token_buckets, seq_buckets, label=f"_ladder{i}")
+            with attention_from(module):
+                results[key] = anatomy(weights, config, seq_counts, read["best"], args.out, args.smoke,
+                                       token_buckets, seq_buckets, label=label)
             write_results(results, path)
+        if baseline is not None:  # greedy tokens: the kernels' arithmetic should not change them
+            first = results[runs[0][0]]
+            results["same_tokens_as_baseline"] = all(
+                first[f"decode{n}"]["output_ids"] == results[runs[-1][0]][f"decode{n}"]["output_ids"] for n in set(seq_counts))
+            log(f"[anatomy] the same greedy tokens with the baseline's kernels: {results['same_tokens_as_baseline']}")
         del weights
     if "gemms" in args.sections:
         results["gemms"] = gemm_rates(config, [int(r) for r in args.gemm_rows.split(",")], read["best"])
         write_results(results, path)
     if "attention" in args.sections:
-        results["attention"] = attention_sweep(config, seq_counts, read["best"], args.smoke)
+        results["attention"] = attention_sweep(config, seq_counts, read["best"], args.smoke, baseline)
     results["seconds"] = time.perf_counter() - started
     write_results(results, path)
     log(f"wrote {path}")

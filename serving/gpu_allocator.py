@@ -13,7 +13,7 @@ default stays the default.
 JAX reads the choice from ``XLA_PYTHON_CLIENT_ALLOCATOR`` when it registers its GPU plugin
 and creates the client, so it must be made before anything touches a device; CPUs ignore
 it. The VMM allocator keeps no memory statistics (``memory_stats()`` is None), so the KV
-cache cannot be sized from free memory: ``vmm`` needs ``--num-pages``.
+cache is sized from what the CUDA driver says is free (``serving/cuda_memory.py``).
 """
 
 from __future__ import annotations
@@ -22,14 +22,6 @@ import os
 
 GPU_ALLOCATORS = ("default", "vmm")
 JAX_ALLOCATOR_VARIABLE = "XLA_PYTHON_CLIENT_ALLOCATOR"
-
-
-def gpu_allocator_error(allocator: str, num_pages: int | None) -> str | None:
-    """Why this choice cannot serve, or None."""
-    if allocator == "vmm" and num_pages is None:
-        return ("--gpu-allocator vmm keeps no memory statistics to size the KV cache from: "
-                "give --num-pages")
-    return None
 
 
 def use_gpu_allocator(allocator: str) -> None:

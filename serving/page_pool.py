@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ from jax.sharding import NamedSharding
 
 from shiftjax.cache import KVCache
 from shiftjax.layouts.specs import CACHE_SPEC
+from shiftjax.serving.cuda_memory import cuda_free_and_total
 
 DEFAULT_KV_MEMORY_FRACTION = 0.9  # of what weights and temporaries leave; the rest is headroom
 
@@ -32,18 +34,33 @@ def page_bytes_per_device(num_layers: int, kv_slots: int, page_size: int, head_d
     return 2 * num_layers * local_slots * page_size * head_dim * jnp.dtype(dtype).itemsize
 
 
-def device_memory(devices) -> tuple[int, int] | None:
-    """``(limit, in_use)`` bytes of the fullest device, or None where the backend keeps no
-    memory statistics (the CPU)."""
+def jax_memory_fraction() -> float:
+    """The share of each GPU's memory JAX lets its allocator take: its own setting
+    (``XLA_PYTHON_CLIENT_MEM_FRACTION``, read here as JAX reads it; default 0.75). The VMM
+    allocator holds to it as its physical budget: a pool sized past it failed every step on
+    an H200 (benchmarks/x2_results.md, "The allocators on one GPU")."""
+    return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+
+
+def device_memory(devices, driver_memory=cuda_free_and_total) -> tuple[int, int] | None:
+    """``(limit, in_use)`` bytes of the fullest device: JAX's allocator's statistics; on a
+    GPU whose allocator keeps none (XLA's VMM allocator), the driver's: ``limit`` JAX's share
+    of the device's memory (``jax_memory_fraction``), ``in_use`` all that is taken on it, by
+    any allocator or process; None where neither answers (the CPU)."""
     stats = []
     for device in devices:
         try:
             memory = device.memory_stats()
         except Exception:  # backends without statistics raise or return None
             memory = None
-        if not memory or "bytes_limit" not in memory:
+        if memory and "bytes_limit" in memory:
+            stats.append((int(memory["bytes_limit"]), int(memory.get("bytes_in_use", 0))))
+            continue
+        free_total = driver_memory(device.local_hardware_id) if device.platform == "gpu" else None
+        if free_total is None:
             return None
-        stats.append((int(memory["bytes_limit"]), int(memory.get("bytes_in_use", 0))))
+        free, total = free_total
+        stats.append((int(jax_memory_fraction() * total), total - free))
     return min(stats, key=lambda s: s[0] - s[1])
 
 
@@ -57,7 +74,8 @@ def size_pool(*, num_pages: int | None, kv_memory_fraction: float | None, fallba
     max_model_len), saying so.
 
     The limit is the JAX allocator's (``bytes_limit``: 75% of the GPU's memory unless JAX is
-    told otherwise). On a 2-GPU mesh with Llama-3.1-8B's shape unrolled, the default ran
+    told otherwise), or under the VMM allocator that share of the GPU's memory less all that
+    the driver says is taken. On a 2-GPU mesh with Llama-3.1-8B's shape unrolled, the default ran
     out of memory allocating the cache (benchmarks/results/x2_run1/engine.log): the
     temporaries estimate can fall short there; give ``--kv-memory-fraction`` or
     ``--num-pages`` until it is measured."""

@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from shiftjax.serving.gpu_allocator import GPU_ALLOCATORS, gpu_allocator_error, use_gpu_allocator
+from shiftjax.serving.gpu_allocator import GPU_ALLOCATORS, use_gpu_allocator
 
 log = logging.getLogger("shiftjax.serve")
 
@@ -40,7 +40,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpu-allocator", choices=GPU_ALLOCATORS, default="default",
                        help="JAX's GPU memory allocator: default (BFC), or vmm, under which XLA stopped "
                             "re-recording every CUDA graph of a step in stretches of decode steps "
-                            "(serving/gpu_allocator.py); vmm needs --num-pages")
+                            "(serving/gpu_allocator.py); under vmm the KV cache is sized from the "
+                            "driver's free memory")
     group.add_argument("--dp", type=int, default=1, metavar="P",
                        help="data parallel: P engines of one device each (devices 0..P-1) behind this one endpoint, "
                             "each request routed to the engine with the fewest queued tokens; needs --sp 1 --tp 1")
@@ -84,7 +85,7 @@ def serve_main(argv: list[str]) -> int:
 
     parser = _parser()
     args = parser.parse_args(argv)
-    if error := data_parallel_error(args) or gpu_allocator_error(args.gpu_allocator, args.num_pages):
+    if error := data_parallel_error(args):
         parser.error(error)
     tls, api_key = _read_secrets(parser, args)
     # Our own lines at INFO; libraries (absl via orbax logs every restore step) at WARNING.

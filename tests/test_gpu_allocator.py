@@ -1,5 +1,5 @@
-"""serve's --gpu-allocator: validated with the other options, and applied before JAX's
-backends start (after, it would be silently ignored, so it is refused)."""
+"""serve's --gpu-allocator: applied before JAX's backends start (after, it would be silently
+ignored, so it is refused), and the KV cache sized from the driver's memory under ``vmm``."""
 
 from __future__ import annotations
 
@@ -9,23 +9,41 @@ import sys
 
 import pytest
 
-from shiftjax.serving.gpu_allocator import JAX_ALLOCATOR_VARIABLE, gpu_allocator_error, use_gpu_allocator
+from shiftjax.serving.cuda_memory import cuda_free_and_total
+from shiftjax.serving.gpu_allocator import JAX_ALLOCATOR_VARIABLE, use_gpu_allocator
+from shiftjax.serving.page_pool import device_memory
 from shiftjax.serving.serve_cli import serve_main
 
 
-def test_vmm_needs_a_page_count():
-    assert gpu_allocator_error("default", None) is None
-    assert gpu_allocator_error("vmm", 4096) is None
-    assert "--num-pages" in gpu_allocator_error("vmm", None)
+def test_unknown_allocator_is_refused():
     with pytest.raises(ValueError, match="must be one of"):
         use_gpu_allocator("cuda_async")
 
 
-def test_serve_refuses_vmm_without_num_pages_before_starting(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        serve_main(["--gpu-allocator", "vmm", "--port", "0"])
-    assert exit_info.value.code == 2
-    assert "--gpu-allocator vmm keeps no memory statistics" in capsys.readouterr().err
+class _Device:
+    def __init__(self, platform, stats, ordinal):
+        self.platform, self._stats, self.local_hardware_id = platform, stats, ordinal
+
+    def memory_stats(self):
+        return self._stats
+
+
+def test_the_pool_is_sized_from_the_driver_where_the_allocator_keeps_no_statistics(monkeypatch):
+    """Under the VMM allocator a GPU reports no statistics: the driver's free and total
+    memory stand in, the limit JAX's share of the total (the fullest device wins); a CPU
+    still reports nothing."""
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    driver = {0: (110 * 2**30, 140 * 2**30), 1: (100 * 2**30, 140 * 2**30)}
+    vmm = [_Device("gpu", None, 0), _Device("gpu", None, 1)]
+    assert device_memory(vmm, driver_memory=driver.get) == (105 * 2**30, 40 * 2**30)  # 0.75 x 140
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    assert device_memory(vmm, driver_memory=driver.get) == (70 * 2**30, 40 * 2**30)
+    bfc = _Device("gpu", {"bytes_limit": 100, "bytes_in_use": 40}, 0)
+    assert device_memory([bfc, vmm[0]], driver_memory=driver.get) == (100, 40)
+    assert device_memory(vmm, driver_memory=lambda ordinal: None) is None  # no driver
+    assert device_memory([_Device("cpu", None, 0)], driver_memory=driver.get) is None
+    # without a driver (this machine) the query answers None rather than raising
+    assert cuda_free_and_total(0) is None or len(cuda_free_and_total(0)) == 2
 
 
 def test_default_leaves_the_environment_alone(monkeypatch):
