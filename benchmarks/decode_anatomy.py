@@ -15,9 +15,10 @@ Two sections, one process:
 3. ``attention``: the Pallas decode attention at the shape's heads, 1k context, each
    sequence count, for the shipped configuration and variants of it.
 
-``--shape``: ``llama8b`` (Llama-3.1-8B, all 32 layers, the whole model on one GPU) or
-``tp2_shard`` (one GPU's share of the same model in TP mode over two: half the heads, half
-the MLP, the whole vocabulary; no collectives).
+``--shape``: ``llama8b`` (Llama-3.1-8B, all 32 layers) or ``tp2_shard`` (one GPU's share of
+the same model in TP mode over two: half the heads, half the MLP, the whole vocabulary; no
+collectives). ``--tp``: GPUs the anatomy's TP mesh spans (default 1; ``--shape llama8b --tp
+2`` is issue 8's two-GPU step, collectives included; the table is the first GPU's).
 
     python3 -P benchmarks/decode_anatomy.py --shape tp2_shard --out $OUT/anatomy   # on the GPU
     python3 benchmarks/decode_anatomy.py --smoke --out /tmp/anatomy                 # any machine
@@ -199,7 +200,8 @@ def anatomy(weights, config, seq_counts, read_bps: float, out_dir: str, smoke: b
         text = originals[key].as_text() if hasattr(originals[key], "as_text") else ""
         with open(os.path.join(out_dir, f"hlo{label}_decode{seqs}.txt"), "w") as f:
             f.write(text)
-        plane = next(iter((row["idle"] or {}).values()), {"events": [], "idle_fraction": None})
+        planes = row["idle"] or {}  # the first GPU's (a TP mesh's GPUs run the same kernels)
+        plane = planes[min(planes)] if planes else {"events": [], "idle_fraction": None}
         events = plane["events"]
         hlo = hlo_instructions(text)
         table = kernel_table(events, profiled, hlo)
@@ -346,6 +348,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, any machine: the code path only")
     parser.add_argument("--shape", choices=SHAPES, default="tp2_shard")
+    parser.add_argument("--tp", type=int, default=1, help="GPUs of the anatomy's TP mesh")
     parser.add_argument("--seqs", default="8,64", help="sequence counts of the decode steps")
     parser.add_argument("--sections", default="anatomy,gemms,attention")
     parser.add_argument("--ladders", default=":",
@@ -361,14 +364,15 @@ def main():
     seq_counts = tuple(int(s) for s in args.seqs.split(","))
     config = shape_config(args.shape, args.smoke)
     read = read_ceiling(8 << 20, 1) if args.smoke else read_ceiling()
-    results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "shape": args.shape,
+    results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "shape": args.shape, "tp": args.tp,
                "read_ceiling": read}
     log(f"device {results['device']}, read-only stream {read['best'] / 1e12:.2f} TB/s (best of {read['tries']})")
     baseline = baseline_kernels(args.attention_baseline) if args.attention_baseline else None
     path = os.path.join(args.out, "decode_anatomy.json")
     started = time.perf_counter()
     if "anatomy" in args.sections:
-        weights = shard_params(device_random_params(config, jnp.bfloat16), config, make_mesh(1, 1, jax.devices()[:1]))
+        mesh = make_mesh(1, args.tp, jax.devices()[:args.tp])
+        weights = shard_params(device_random_params(config, jnp.bfloat16), config, mesh)
         runs = [(f"anatomy:{spec}", spec, f"_ladder{i}", None) for i, spec in enumerate(args.ladders.split(";"))]
         if baseline is not None:  # the first ladder again, with the baseline's kernels
             runs.append((f"anatomy_baseline:{runs[0][1]}", runs[0][1], "_baseline", baseline))

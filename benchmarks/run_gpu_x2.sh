@@ -2,7 +2,8 @@
 # Issue 8 on two H200s in one device call (kind nvidia-h200-x2): ceilings, correctness, the
 # step table and the engine loop (benchmarks/shift_x2.py), each part in its own process
 # so that one failure or timeout keeps the others' numbers; the part "tests" runs the two-GPU
-# tests (tests/test_collectives_gpu.py; not a default part); the part "startup" is target 5,
+# tests (tests/test_collectives_gpu.py; not a default part); the part "anatomy" names every kernel of the
+# engine's TP decode step (benchmarks/decode_anatomy.py --tp 2; not a default part); the part "startup" is target 5,
 # `serve`'s default ladder started cold and from the executable store (benchmarks/startup.py,
 # GEMMs by $STARTUP_GEMM, default cublas; $STARTUP_PAGES KV-cache pages, 0: sized from memory as
 # serve's default, default 4096).
@@ -17,6 +18,11 @@ for part in ${PARTS:-ceilings correct steps_mesh steps_1gpu engine startup}; do
   if [ "$part" = tests ]; then  # the two-GPU tests (tests/conftest.py would make the devices CPUs)
     timeout "${PART_TIMEOUT:-240}" python3 -P -m pytest --noconftest -q -p no:cacheprovider tests/test_collectives_gpu.py \
       2>&1 | tee "$OUT/tests.log" | tail -5
+    continue
+  fi
+  if [ "$part" = anatomy ]; then  # every kernel of the engine's TP decode step on both GPUs (GPU 0's table)
+    timeout "${PART_TIMEOUT:-240}" python3 -P benchmarks/decode_anatomy.py --shape llama8b --tp 2 --sections anatomy \
+      --seqs 8,64,8,64 --out "$OUT/anatomy" 2>&1 | tee "$OUT/anatomy.log" | grep "^\[anatomy\|^  by kind"
     continue
   fi
   if [ "$part" = startup ]; then

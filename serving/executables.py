@@ -88,6 +88,20 @@ class BucketLadder:
         least n tokens, so any smaller step finds a bucket on the way up)."""
         return max(b for b in self.seq_buckets if b <= self.token_buckets[-1])
 
+    def padded_decode_steps(self) -> list[tuple[int, int]]:
+        """``(sequences, tokens)`` for each sequence bucket whose decode step (one token a
+        sequence) runs in a token bucket more than twice as large and above 16 rows, the GEMMs
+        then multiplying that many padding rows (16 rows took 1.03-1.10x the time of 8 for the
+        8B TP shard's projections, 64 rows 1.23-1.52x: ``benchmarks/x2_results.md``, "One
+        GPU"). A ladder given by hand may have them; the geometric one has none."""
+        out = []
+        for seqs in self.seq_buckets:
+            if seqs <= self.token_buckets[-1]:
+                tokens = self.pick(seqs, seqs)[0]
+                if tokens > max(2 * seqs, 16):
+                    out.append((seqs, tokens))
+        return out
+
     def pairs(self):
         return [(t, b) for t in self.token_buckets for b in self.seq_buckets if b <= t]
 

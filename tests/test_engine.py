@@ -350,6 +350,9 @@ def test_bucket_ladder():
     assert served.pick(40, 40) == (64, 64) and served.pick(5, 5) == (16, 16)
     assert BucketLadder.geometric(8192, 100).seq_buckets == (16, 64, 100)
     assert BucketLadder.geometric(8192, 256, multiple=3).seq_buckets == (18, 66, 256)
+    assert served.padded_decode_steps() == [] and ladder.padded_decode_steps() == []  # (16, 8): 2x at most
+    # a hand-made ladder like the compare runs' (16/256/1024 x 1/8/64): 64 sequences decode in 256 rows
+    assert BucketLadder((16, 256, 1024), (1, 8, 64)).padded_decode_steps() == [(64, 256)]
     assert BucketLadder.geometric(64, 4).seq_buckets == (4,)
     small = BucketLadder.geometric(4, 8)  # a token budget under 8 still gets a bucket pair
     assert small.pairs() == [(4, 4)] and small.max_seqs() == 4 and small.pick(3, 2) == (4, 4)

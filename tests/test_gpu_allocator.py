@@ -12,7 +12,6 @@ import pytest
 from shiftjax.serving.cuda_memory import cuda_free_and_total
 from shiftjax.serving.gpu_allocator import JAX_ALLOCATOR_VARIABLE, use_gpu_allocator
 from shiftjax.serving.page_pool import device_memory
-from shiftjax.serving.serve_cli import serve_main
 
 
 def test_unknown_allocator_is_refused():
