@@ -174,7 +174,7 @@ def anatomy(weights, config, seq_counts, read_bps: float, out_dir: str, smoke: b
     engine = Engine(weights, engine_config)
     prompt_len, decode_steps, profiled = loop_lengths(smoke)
     weight_bytes = weight_bytes_per_device(weights, weights.mesh)[0]
-    kv_slots = weights.layout.kv_slots
+    kv_slots = weights.dims.kv_slots  # a device's (TP mode spreads the slots over the mesh)
     used = collections.Counter()  # runs of each executable, to tell which one decodes
     originals = dict(engine.executables.compiled)
     for key, fn in originals.items():

@@ -252,9 +252,11 @@ def plane_idle(events: list[tuple], iters: int, gaps: int = 5) -> dict:
             **kernel_breakdown(events, iters)}
 
 
-# first match wins: XLA's own all-reduce kernels are fusions named after the psum, its Triton
-# GEMM fusions count as GEMMs, the Pallas attention by its name
-KERNEL_KINDS = (("collective", ("nccl", "psum", "all_reduce", "all-reduce", "all_to_all", "all_gather")), ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
+# first match wins: XLA's own all-reduce kernels are fusions named after the psum, shiftjax's
+# one-shot all-reduce and exchange by their kernels' names, XLA's Triton GEMM fusions count as
+# GEMMs, the Pallas attention by its name
+KERNEL_KINDS = (("collective", ("nccl", "psum", "all_reduce", "all-reduce", "all_to_all", "all_gather", "one_shot_kernel",
+                                 "exchange_kernel")), ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
                 ("attention (Pallas)", ("ragged_paged_attention",)), ("other Triton", ("triton", "mosaic")))
 
 

@@ -210,6 +210,9 @@ def test_decode_anatomy_names_each_kernel_by_its_hlo_and_source_line():
         ("loop_multiply_fusion_3", 10.0, 1.0, "model.py:36 rms_norm", "mul")
     assert (gemm["kind"], gemm["us"], gemm["target"], gemm["source"]) == ("gemm", 3.0, "__cublas$lt$matmul", "model.py:120")
     assert [row["source"] for row in by_source([norm, gemm])] == ["model.py:36 rms_norm", "model.py:120"]
+    from roofline import kernel_kind  # shiftjax's own collectives count as collectives, not fusions
+    assert {kernel_kind(f"(anonymous namespace)::{k}(__nv_bfloat16 const*") for k in ("one_shot_kernel", "exchange_kernel")} \
+        == {"collective"}
 
 
 def test_hlo_report_sees_a_layer_slice_in_synthetic_hlo():
