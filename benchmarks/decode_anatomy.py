@@ -44,7 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 from engine_loop import _decode_phase, _HostClock, loop_engine_config, loop_lengths  # noqa: E402
 from model_gpu import device_random_params  # noqa: E402
 from roofline import _device_events, device_time, kernel_kind, plane_idle, profile, read_ceiling  # noqa: E402
-from shift_x2 import big_config, log, weight_bytes_per_device, write_results  # noqa: E402
+from shift_x2 import big_config, kv_bytes_per_token, log, weight_bytes_per_device, write_results  # noqa: E402
 
 from shiftjax.layouts.mesh import make_mesh  # noqa: E402
 from shiftjax.serving.engine import Engine  # noqa: E402
@@ -174,7 +174,6 @@ def anatomy(weights, config, seq_counts, read_bps: float, out_dir: str, smoke: b
     engine = Engine(weights, engine_config)
     prompt_len, decode_steps, profiled = loop_lengths(smoke)
     weight_bytes = weight_bytes_per_device(weights, weights.mesh)[0]
-    kv_slots = weights.dims.kv_slots  # a device's (TP mode spreads the slots over the mesh)
     used = collections.Counter()  # runs of each executable, to tell which one decodes
     originals = dict(engine.executables.compiled)
     for key, fn in originals.items():
@@ -207,7 +206,7 @@ def anatomy(weights, config, seq_counts, read_bps: float, out_dir: str, smoke: b
         table = kernel_table(events, profiled, hlo)
         # the context of the profiled steps is at least the prompt and the tokens decoded before them
         context = prompt_len + decode_steps - profiled
-        kv_bytes = 2 * config.num_layers * seqs * context * kv_slots * config.head_dim * 2
+        kv_bytes = seqs * context * kv_bytes_per_token(weights, config)
         floor_ms = (weight_bytes + kv_bytes) / read_bps * 1e3
         kinds = collections.defaultdict(lambda: [0.0, 0.0])
         for r in table:
@@ -223,7 +222,8 @@ def anatomy(weights, config, seq_counts, read_bps: float, out_dir: str, smoke: b
                   "by_kind": {k: {"us": v[0], "calls": v[1]} for k, v in kinds.items()},
                   "kernels_table": table, "by_source": by_source(table)}
         # a sequence count listed again is another phase of the same engine (host time varies by phase)
-        out[f"decode{seqs}" + "".join(f"_{i}" for i in [sum(k.startswith(f"decode{seqs}") for k in out)] if i)] = result
+        repeat = sum(k == f"decode{seqs}" or k.startswith(f"decode{seqs}_") for k in out)
+        out[f"decode{seqs}" + (f"_{repeat}" if repeat else "")] = result
         log(f"[anatomy{label}] {seqs} seqs, executable {key}: {row['wall_ms_median']:.2f} ms a step, kernels "
             f"{result['kernel_ms']:.2f} ms x{result['kernels']:.0f}; floor {floor_ms:.2f} ms "
             f"({weight_bytes / 1e9:.2f} GB weights + {kv_bytes / 1e9:.2f} GB K/V) = {result['floor_over_wall']:.0%} of the wall")

@@ -563,11 +563,13 @@ def summarise(results: dict) -> dict:
             wall = table[f"tp:dec{n}"]["wall_ms"]
             s[f"{name}_dec{n}_weight_floor_ratio"] = floor * 1e3 / wall
             s[f"{name}_dec{n}_floor_ratio"] = (floor + kv_floor(table, n, table.get("decode_context", 0))) * 1e3 / wall
+        # the engine's own weights (its mesh may be one GPU: --engine-tp 1)
+        floor_engine = max(engine.get("weight_bytes_per_device", mesh["weight_bytes_per_device"])) / read
         for loop in ("sync", "async"):
             for key, row in engine.items():
                 if key.endswith(f"{loop}:dec{n}"):
-                    s[f"engine_{key}_weight_floor_ratio"] = floor_mesh * 1e3 / row["wall_ms_median"]
-                    s[f"engine_{key}_floor_ratio"] = (floor_mesh + kv_floor(engine, n, engine.get("context_at_least", 0))
+                    s[f"engine_{key}_weight_floor_ratio"] = floor_engine * 1e3 / row["wall_ms_median"]
+                    s[f"engine_{key}_floor_ratio"] = (floor_engine + kv_floor(engine, n, engine.get("context_at_least", 0))
                                                       ) * 1e3 / row["wall_ms_median"]
     s["tp_dec8_vs_1gpu_dec4_speedup"] = one["tp:dec4"]["wall_ms"] / mesh["tp:dec8"]["wall_ms"]
     # Equal work: the mesh prefills two prompts in one step; DP gives each GPU one.

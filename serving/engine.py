@@ -215,6 +215,8 @@ class Engine:
         if config.token_buckets is None:
             ladder = exe.BucketLadder.geometric(
                 config.max_num_batched_tokens, config.max_num_seqs, multiple=sp)
+            if config.seq_buckets:  # sequence buckets given alone: the geometric token buckets
+                ladder = exe.BucketLadder(ladder.token_buckets, tuple(config.seq_buckets))
         else:
             ladder = exe.BucketLadder(tuple(config.token_buckets),
                                       tuple(config.seq_buckets or (config.max_num_seqs,)))

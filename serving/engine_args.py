@@ -59,7 +59,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token counts to compile a step for (default: 16 x 4**i up to the max)")
     engine.add_argument("--seq-buckets", type=_id_list, default=None, metavar="1,4,8",
                         help="sequence counts to compile a step for (default: the token buckets below the max, "
-                             "then the max)")
+                             "then the max; with --token-buckets given, the max alone)")
     engine.add_argument("--attention", choices=("reference", "pallas", "auto"), default="auto")
     # executables.GEMM_BACKENDS (not imported: this module is read before JAX is configured)
     engine.add_argument("--gemm", choices=("triton", "cublas"), default="cublas",

@@ -55,15 +55,16 @@ class BucketLadder:
                   multiple: int = 1):
         """Token buckets ``min_tokens * factor**i`` up to ``max_tokens`` (which is always one),
         rounded up to multiples of ``multiple`` (the SP degree); sequence buckets: the token
-        buckets below ``max_seqs``, then ``max_seqs``. Each bucket pair is one executable per
-        mode, compiled at start, so the ladder trades padding against start-up time.
+        buckets below ``max_seqs``, then ``max_seqs`` (also a token bucket where none lies
+        within twice it). Each bucket pair is one executable per mode, compiled at start, so
+        the ladder trades padding against start-up time.
 
         The sequence buckets are token buckets so that a decode step of a bucket's worth of
         sequences (one token each) runs in a step of as many tokens. Sequence buckets of
         8, 32, 128 beside token buckets 16, 64, 256 (before) ran 64 decoding sequences as a
         step of 256 tokens for 128 sequences: 1.31x the device time of a (64, 64) step
         (Llama-3.1-8B's TP shard on one H200, ``benchmarks/decode_anatomy.py``). Below 16
-        rows the GEMMs gain little (16 rows against 8: 0-10% per projection, 2% a step)."""
+        rows the GEMMs gain little (16 rows against 8: 3-10% per projection, 2% a step)."""
         def ladder(first, last):
             values, v = [], first
             while v < last:
@@ -71,9 +72,15 @@ class BucketLadder:
                 v *= factor
             return values + [last]
 
-        tokens = sorted({-(-t // multiple) * multiple for t in ladder(min(min_tokens, max_tokens), max_tokens)})
+        def rounded(t):
+            return -(-t // multiple) * multiple
+
+        tokens = sorted({rounded(t) for t in ladder(min(min_tokens, max_tokens), max_tokens)})
         # (a sequence bucket above the largest token bucket would pair with no token bucket)
-        seqs = {t for t in tokens if t < max_seqs} | {min(max_seqs, tokens[-1])}
+        last = min(max_seqs, tokens[-1])
+        if not any(last <= t <= max(2 * last, 16) for t in tokens):  # a full batch decodes unpadded
+            tokens = sorted(set(tokens) | {rounded(last)})
+        seqs = {t for t in tokens if t < max_seqs} | {last}
         return cls(tuple(tokens), tuple(sorted(seqs)))
 
     @property

@@ -35,11 +35,14 @@ def page_bytes_per_device(num_layers: int, kv_slots: int, page_size: int, head_d
 
 
 def jax_memory_fraction() -> float:
-    """The share of each GPU's memory JAX lets its allocator take: its own setting
-    (``XLA_PYTHON_CLIENT_MEM_FRACTION``, read here as JAX reads it; default 0.75). The VMM
-    allocator holds to it as its physical budget: a pool sized past it failed every step on
-    an H200 (benchmarks/x2_results.md, "The allocators on one GPU")."""
-    return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    """The share of each GPU's memory JAX lets its allocator take, read as jaxlib reads it
+    (``xla_client``): ``XLA_CLIENT_MEM_FRACTION``, else the deprecated
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (both set: jaxlib refuses to start), an empty value
+    unset; default 0.75. The VMM allocator holds to it as its physical budget: a pool sized
+    past it failed every step on an H200 (benchmarks/x2_results.md, "The allocators on one
+    GPU")."""
+    fraction = os.environ.get("XLA_CLIENT_MEM_FRACTION", "") or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "")
+    return float(fraction) if fraction else 0.75
 
 
 def device_memory(devices, driver_memory=cuda_free_and_total) -> tuple[int, int] | None:
@@ -56,7 +59,9 @@ def device_memory(devices, driver_memory=cuda_free_and_total) -> tuple[int, int]
         if memory and "bytes_limit" in memory:
             stats.append((int(memory["bytes_limit"]), int(memory.get("bytes_in_use", 0))))
             continue
-        free_total = driver_memory(device.local_hardware_id) if device.platform == "gpu" else None
+        # (another process's GPU has no local id: left unknown, as its statistics are)
+        local = device.platform == "gpu" and device.local_hardware_id is not None
+        free_total = driver_memory(device.local_hardware_id) if local else None
         if free_total is None:
             return None
         free, total = free_total
@@ -100,8 +105,8 @@ def size_pool(*, num_pages: int | None, kv_memory_fraction: float | None, fallba
             f"batch, or give --num-pages")
     note = (f"KV cache: {pages} pages of {page_bytes / 2**20:.2f} MiB per device = "
             f"{pages * page_bytes / 2**30:.2f} GiB, {fraction:.0%} of the {left / 2**30:.2f} GiB left of "
-            f"{limit / 2**30:.2f} GiB after weights ({in_use / 2**30:.2f} GiB) and step temporaries "
-            f"({temporaries / 2**30:.2f} GiB)")
+            f"{limit / 2**30:.2f} GiB after what is in use (weights; under --gpu-allocator vmm all the "
+            f"driver reports, {in_use / 2**30:.2f} GiB) and step temporaries ({temporaries / 2**30:.2f} GiB)")
     return PagePool(pages, "memory", note)
 
 

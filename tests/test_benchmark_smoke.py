@@ -164,6 +164,8 @@ def test_script_smoke(script, tmp_path):
     if script == "decode_anatomy.py":  # the decode step found (the engine's ladder) and its HLO read back
         decode = data["anatomy::"]["decode8"]
         assert decode["executable"] == ["tp", 16, 8] and decode["hlo_instructions_from_model"] > 0, decode
+        # K and V, 2 layers, 1 KV head of 32 (the smoke shape's TP-2 shard) in bf16, for 8 contexts
+        assert decode["kv_bytes"] == 8 * decode["context_at_least"] * 2 * 2 * 1 * 32 * 2, decode
     if script == "shift_x2.py":  # every engine variant decodes the same greedy tokens (same arithmetic)
         assert data["engine"]["same_tokens_everywhere"] is True, output[-2000:]
         assert set(data["xla_options"]) >= {"skip_temp", "no_command_buffers"}, data["xla_options"]

@@ -348,7 +348,12 @@ def test_bucket_ladder():
     # a decode step of a bucket's worth of sequences runs as a step of as many tokens
     assert [served.pick(n, n) for n in (16, 64, 256)] == [(16, 16), (64, 64), (256, 256)]
     assert served.pick(40, 40) == (64, 64) and served.pick(5, 5) == (16, 16)
+    # a full batch that is no token bucket gets one (else 100 sequences would decode in 256 rows)
     assert BucketLadder.geometric(8192, 100).seq_buckets == (16, 64, 100)
+    assert BucketLadder.geometric(8192, 100).token_buckets == (16, 64, 100, 256, 1024, 4096, 8192)
+    for max_tokens, max_seqs, multiple in [
+            (8192, 100, 1), (8192, 20, 1), (8192, 300, 2), (2048, 256, 1), (128, 8, 2), (4, 8, 1), (96, 200, 8)]:
+        assert BucketLadder.geometric(max_tokens, max_seqs, multiple=multiple).padded_decode_steps() == []
     assert BucketLadder.geometric(8192, 256, multiple=3).seq_buckets == (18, 66, 256)
     assert served.padded_decode_steps() == [] and ladder.padded_decode_steps() == []  # (16, 8): 2x at most
     # a hand-made ladder like the compare runs' (16/256/1024 x 1/8/64): 64 sequences decode in 256 rows

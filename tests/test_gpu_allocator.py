@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from shiftjax.serving import cuda_memory
 from shiftjax.serving.cuda_memory import cuda_free_and_total
 from shiftjax.serving.gpu_allocator import JAX_ALLOCATOR_VARIABLE, use_gpu_allocator
 from shiftjax.serving.page_pool import device_memory
@@ -31,18 +32,48 @@ def test_the_pool_is_sized_from_the_driver_where_the_allocator_keeps_no_statisti
     """Under the VMM allocator a GPU reports no statistics: the driver's free and total
     memory stand in, the limit JAX's share of the total (the fullest device wins); a CPU
     still reports nothing."""
-    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        monkeypatch.delenv(name, raising=False)
     driver = {0: (110 * 2**30, 140 * 2**30), 1: (100 * 2**30, 140 * 2**30)}
     vmm = [_Device("gpu", None, 0), _Device("gpu", None, 1)]
     assert device_memory(vmm, driver_memory=driver.get) == (105 * 2**30, 40 * 2**30)  # 0.75 x 140
-    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # jaxlib's deprecated name
     assert device_memory(vmm, driver_memory=driver.get) == (70 * 2**30, 40 * 2**30)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "")  # empty: unset, as jaxlib reads it
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.25")
+    assert device_memory(vmm, driver_memory=driver.get) == (35 * 2**30, 40 * 2**30)
     bfc = _Device("gpu", {"bytes_limit": 100, "bytes_in_use": 40}, 0)
     assert device_memory([bfc, vmm[0]], driver_memory=driver.get) == (100, 40)
     assert device_memory(vmm, driver_memory=lambda ordinal: None) is None  # no driver
     assert device_memory([_Device("cpu", None, 0)], driver_memory=driver.get) is None
-    # without a driver (this machine) the query answers None rather than raising
-    assert cuda_free_and_total(0) is None or len(cuda_free_and_total(0)) == 2
+    assert device_memory([_Device("gpu", None, None)], driver_memory=driver.get) is None  # another process's
+
+
+class _FakeDriver:
+    """libcuda's four calls the query makes, answering through the pointers it is given."""
+
+    def __init__(self, fail=None):
+        self.fail, self.calls = fail, []
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append(name)
+            if name == "cuMemGetInfo_v2":
+                args[0]._obj.value, args[1]._obj.value = 3 * 2**30, 8 * 2**30
+            return 1 if name == self.fail else 0  # CUresult: 0 is success
+        return call
+
+
+@pytest.mark.parametrize("fail", [None, "cuInit", "cuDevicePrimaryCtxRetain", "cuMemGetInfo_v2"])
+def test_the_driver_query_answers_or_says_none_and_releases_the_context(monkeypatch, fail):
+    driver = _FakeDriver(fail)
+    monkeypatch.setattr(cuda_memory, "_driver", lambda: driver)
+    assert cuda_free_and_total(1) == (None if fail else (3 * 2**30, 8 * 2**30))
+    if "cuDevicePrimaryCtxRetain" in driver.calls and fail != "cuDevicePrimaryCtxRetain":
+        assert driver.calls[-1] == "cuDevicePrimaryCtxRelease_v2"  # pushed, popped, released
+        assert driver.calls.count("cuCtxPushCurrent_v2") == driver.calls.count("cuCtxPopCurrent_v2") == 1
+    monkeypatch.setattr(cuda_memory, "_driver", lambda: None)  # no NVIDIA driver
+    assert cuda_free_and_total(0) is None
 
 
 def test_default_leaves_the_environment_alone(monkeypatch):
