@@ -43,7 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from engine_loop import _decode_phase, _HostClock, loop_engine_config, loop_lengths  # noqa: E402
 from model_gpu import device_random_params  # noqa: E402
-from roofline import _device_events, device_time, kernel_kind, plane_idle, profile, read_ceiling  # noqa: E402
+from roofline import device_idle, device_time, kernel_kind, read_ceiling  # noqa: E402
 from shift_x2 import big_config, kv_bytes_per_token, log, weight_bytes_per_device, write_results  # noqa: E402
 
 from shiftjax.layouts.mesh import make_mesh  # noqa: E402
@@ -188,10 +188,9 @@ def anatomy(weights, config, seq_counts, read_bps: float, out_dir: str, smoke: b
 
         def profiler(step, iters):
             before = collections.Counter(used)
-            pd = profile(step, iters)
+            idle = device_idle(step, iters, events=True)
             captured["keys"] = used - before
-            planes = _device_events(pd, stats=True) if pd else {}
-            return {plane: {**plane_idle(events, iters), "events": events} for plane, events in planes.items() if events}
+            return idle
 
         row = _decode_phase(engine, engine.step, _HostClock(), seqs, prompt_len, max_tokens, decode_steps,
                             profiled, profiler=profiler)
@@ -208,10 +207,6 @@ def anatomy(weights, config, seq_counts, read_bps: float, out_dir: str, smoke: b
         context = prompt_len + decode_steps - profiled
         kv_bytes = seqs * context * kv_bytes_per_token(weights, config)
         floor_ms = (weight_bytes + kv_bytes) / read_bps * 1e3
-        kinds = collections.defaultdict(lambda: [0.0, 0.0])
-        for r in table:
-            kinds[r["kind"]][0] += r["us"]
-            kinds[r["kind"]][1] += r["calls"]
         result = {"executable": list(key), "wall_ms": row["wall_ms_median"], "idle_fraction": plane["idle_fraction"],
                   "output_ids": row["output_ids"],
                   "kernel_ms": sum(r["us"] for r in table) / 1e3,
@@ -219,7 +214,7 @@ def anatomy(weights, config, seq_counts, read_bps: float, out_dir: str, smoke: b
                   "kv_bytes": kv_bytes, "context_at_least": context,
                   "hlo_instructions_from_model": sum((i["source"] or "").startswith("model.py") for i in hlo.values()),
                   "floor_over_wall": floor_ms / row["wall_ms_median"],
-                  "by_kind": {k: {"us": v[0], "calls": v[1]} for k, v in kinds.items()},
+                  "by_kind": plane.get("by_kind", {}),  # ms and count per step (roofline.kernel_breakdown)
                   "kernels_table": table, "by_source": by_source(table)}
         # a sequence count listed again is another phase of the same engine (host time varies by phase)
         repeat = sum(k == f"decode{seqs}" or k.startswith(f"decode{seqs}_") for k in out)
@@ -227,7 +222,7 @@ def anatomy(weights, config, seq_counts, read_bps: float, out_dir: str, smoke: b
         log(f"[anatomy{label}] {seqs} seqs, executable {key}: {row['wall_ms_median']:.2f} ms a step, kernels "
             f"{result['kernel_ms']:.2f} ms x{result['kernels']:.0f}; floor {floor_ms:.2f} ms "
             f"({weight_bytes / 1e9:.2f} GB weights + {kv_bytes / 1e9:.2f} GB K/V) = {result['floor_over_wall']:.0%} of the wall")
-        log("  by kind: " + ", ".join(f"{k} {v['us'] / 1e3:.3f} ms x{v['calls']:.0f}" for k, v in result["by_kind"].items()))
+        log("  by kind: " + ", ".join(f"{k} {v['ms']:.3f} ms x{v['count']:.0f}" for k, v in result["by_kind"].items()))
         for r in table[:25]:
             log(f"  {r['us']:8.1f} us x{r['calls']:5.1f}  {r['kind'][:10]:10s} {r['kernel'][:60]:60s} "
                 f"{r.get('op') or ''} {r.get('op_name') or ''} {r.get('source') or ''}")
@@ -250,7 +245,7 @@ def gemm_rates(config, rows_list, read_bps: float) -> dict:
         chain = jax.jit(lambda x, *ws: [jnp.dot(x, w, preferred_element_type=jnp.float32) for w in ws])
         for rows in rows_list:
             x = jax.random.normal(jax.random.key(99), (rows, k), jnp.bfloat16)
-            timing = device_time(lambda *a: chain(*a), (x, *weights), iters=5, quiet=True)
+            timing = device_time(chain, (x, *weights), iters=5, quiet=True)
             if timing is None:  # no device trace (CPU): nothing to report
                 continue
             per_gemm = timing["ksum"] / GEMM_COPIES

@@ -150,17 +150,8 @@ def device_time(fn, args, iters, top=0, quiet=False):
     ksum=median sum of kernel durations per call [s], kernels=kernels per call, top=[...])
     or None where the trace holds no device events (CPU, or no profiler); callers must then
     say that their number is host wall clock."""
-    try:
-        from jax._src.lib import _profiler
-        from jax.profiler import ProfileData
-        jax.block_until_ready(fn(*args))
-        sess = _profiler.ProfilerSession()
-        for _ in range(iters):
-            jax.block_until_ready(fn(*args))
-        pd = ProfileData.from_serialized_xspace(sess.stop())
-    except Exception as e:  # pragma: no cover
-        if not quiet:
-            print(f"  (profiler failed: {type(e).__name__}: {str(e)[:120]})", flush=True)
+    pd = profile(lambda: jax.block_until_ready(fn(*args)), iters, quiet=quiet, warmup=1)
+    if pd is None:
         return None
     planes = [events for events in _device_events(pd).values() if events]
     ev = [e for events in planes for e in events]
@@ -211,33 +202,39 @@ def _device_events(pd, stats: bool = False) -> dict[str, list[tuple]]:
     return planes
 
 
-def profile(fn, iters: int):
-    """The profile (``ProfileData``) of ``iters`` calls of ``fn()``; None where the profiler
-    fails (it says why)."""
+def profile(fn, iters: int, *, quiet: bool = False, warmup: int = 0):
+    """The profile (``ProfileData``) of ``iters`` calls of ``fn()``, after ``warmup``
+    unprofiled ones; None where the profiler fails (it says why unless ``quiet``)."""
     try:
         from jax._src.lib import _profiler
         from jax.profiler import ProfileData
+        for _ in range(warmup):
+            fn()
         sess = _profiler.ProfilerSession()
         for _ in range(iters):
             fn()
         return ProfileData.from_serialized_xspace(sess.stop())
     except Exception as e:  # pragma: no cover
-        print(f"  (profiler failed: {type(e).__name__}: {str(e)[:120]})", flush=True)
+        if not quiet:
+            print(f"  (profiler failed: {type(e).__name__}: {str(e)[:120]})", flush=True)
         return None
 
 
-def device_idle(fn, iters: int, gaps: int = 5) -> dict | None:
+def device_idle(fn, iters: int, gaps: int = 5, *, events: bool = False) -> dict | None:
     """How much of the time each device sits idle while ``fn()`` is called ``iters`` times
     back to back (``fn`` syncs as it must: an engine step). Per device: the window from the
     first kernel's start to the last one's end, the time no kernel runs in it, as a
-    fraction, and the ``gaps`` longest idle gaps. None without a device trace."""
+    fraction, and the ``gaps`` longest idle gaps. With ``events``, also the kernel records
+    themselves, stats included (``_device_events``). None without a device trace."""
     pd = profile(fn, iters)
     if pd is None:
         return None
-    return {plane: plane_idle(events, iters, gaps) for plane, events in _device_events(pd).items() if events} or None
+    planes = _device_events(pd, stats=events)
+    return {plane: {**_plane_idle(records, iters, gaps), **({"events": records} if events else {})}
+            for plane, records in planes.items() if records} or None
 
 
-def plane_idle(events: list[tuple], iters: int, gaps: int = 5) -> dict:
+def _plane_idle(events: list[tuple], iters: int, gaps: int = 5) -> dict:
     """``device_idle``'s figures for one device's kernel records (sorted here)."""
     events.sort(key=lambda e: e[:2])
     busy, idle_gaps, end = 0, [], events[0][0]

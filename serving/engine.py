@@ -268,8 +268,8 @@ class Engine:
         report(f"making {len(ladder.pairs()) * len(self.modes)} executables (modes {', '.join(self.modes)}; "
                f"token buckets {ladder.token_buckets}, sequence buckets {ladder.seq_buckets})")
         for seqs, tokens in ladder.padded_decode_steps():
-            report(f"note: {seqs} decoding sequences run as a {tokens}-token step (no token bucket from {seqs} "
-                   f"to {2 * seqs}): add one to --token-buckets for faster decode")
+            report(f"note: {seqs} decoding sequences run as a {tokens}-token step: a token bucket of {seqs} "
+                   f"in --token-buckets would decode them faster")
         self.executables = exe.compile_all(weights, self.caches, ladder, self.modes, progress=progress,
                                            store=store, report=report, workers=config.compile_workers,
                                            **compile_options)

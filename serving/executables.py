@@ -39,6 +39,14 @@ class NoBucket(ValueError):
     """A batch larger than every compiled bucket."""
 
 
+def _pads_decode(seqs: int, tokens: int) -> bool:
+    """Whether a decode step of ``seqs`` sequences (one token each) in a ``tokens`` bucket
+    multiplies padding rows that cost: more than twice its rows and above 16 (16 rows took
+    1.03-1.10x the time of 8 for the 8B TP shard's projections, 64 rows 1.23-1.52x:
+    ``benchmarks/x2_results.md``, "One GPU")."""
+    return tokens > max(2 * seqs, 16)
+
+
 @dataclasses.dataclass(frozen=True)
 class BucketLadder:
     token_buckets: tuple[int, ...]
@@ -78,7 +86,7 @@ class BucketLadder:
         tokens = sorted({rounded(t) for t in ladder(min(min_tokens, max_tokens), max_tokens)})
         # (a sequence bucket above the largest token bucket would pair with no token bucket)
         last = min(max_seqs, tokens[-1])
-        if not any(last <= t <= max(2 * last, 16) for t in tokens):  # a full batch decodes unpadded
+        if _pads_decode(last, min(t for t in tokens if t >= last)):  # a full batch decodes unpadded
             tokens = sorted(set(tokens) | {rounded(last)})
         seqs = {t for t in tokens if t < max_seqs} | {last}
         return cls(tuple(tokens), tuple(sorted(seqs)))
@@ -97,17 +105,10 @@ class BucketLadder:
 
     def padded_decode_steps(self) -> list[tuple[int, int]]:
         """``(sequences, tokens)`` for each sequence bucket whose decode step (one token a
-        sequence) runs in a token bucket more than twice as large and above 16 rows, the GEMMs
-        then multiplying that many padding rows (16 rows took 1.03-1.10x the time of 8 for the
-        8B TP shard's projections, 64 rows 1.23-1.52x: ``benchmarks/x2_results.md``, "One
-        GPU"). A ladder given by hand may have them; the geometric one has none."""
-        out = []
-        for seqs in self.seq_buckets:
-            if seqs <= self.token_buckets[-1]:
-                tokens = self.pick(seqs, seqs)[0]
-                if tokens > max(2 * seqs, 16):
-                    out.append((seqs, tokens))
-        return out
+        sequence) runs in a token bucket that pads it (``_pads_decode``). A ladder given by
+        hand may have them; the geometric one has none."""
+        steps = [(seqs, self.pick(seqs, seqs)[0]) for seqs in self.seq_buckets if seqs <= self.token_buckets[-1]]
+        return [(seqs, tokens) for seqs, tokens in steps if _pads_decode(seqs, tokens)]
 
     def pairs(self):
         return [(t, b) for t in self.token_buckets for b in self.seq_buckets if b <= t]
