@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from collections.abc import Sequence
 
 import jax
@@ -392,12 +393,15 @@ def ragged_paged_attention_pallas(
         interpret=config.interpret,
         name="ragged_paged_attention_decode",
     )(*decode_args)
-    # Merge the splits (flash-decoding); rows beyond the group belong to other tokens.
+    # Merge the splits (flash-decoding); rows beyond the group belong to other tokens. The
+    # splits are few and static: added one by one, the merge is elementwise, and XLA fuses it
+    # into the select below instead of launching a reduction of its own.
     o_part, m_part, l_part = o_part[..., :group, :], m_part[..., :group], l_part[..., :group]
-    m_max = m_part.max(axis=2, keepdims=True)
-    weight = jnp.exp2(m_part - m_max)  # m is in base 2
-    l_sum = (weight * l_part).sum(axis=2)
-    decode_out = (weight[..., None] * o_part).sum(axis=2) / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
+    m_max = functools.reduce(jnp.maximum, [m_part[:, :, s] for s in range(splits)])
+    weight = [jnp.exp2(m_part[:, :, s] - m_max) for s in range(splits)]  # m is in base 2
+    l_sum = functools.reduce(operator.add, [weight[s] * l_part[:, :, s] for s in range(splits)])
+    o_sum = functools.reduce(operator.add, [weight[s][..., None] * o_part[:, :, s] for s in range(splits)])
+    decode_out = o_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
 
     # --- prefill ---
     num_tiles = min(-(-num_tokens // block_q) + num_seqs, num_tokens)
@@ -427,10 +431,13 @@ def ragged_paged_attention_pallas(
     slot_idx = jnp.array([where[h][0] for h in range(q_heads)])
     group_idx = jnp.array([where[h][1] for h in range(q_heads)])
     out = out_rows.reshape(kv_slots, num_tokens + pad_tokens, group, head_dim)
-    out = out[slot_idx, :num_tokens + 1, group_idx].transpose(1, 0, 2)  # [T + 1, H, D]
-    decode_heads = decode_out[:, slot_idx, group_idx].astype(q.dtype)  # [B, H, D]
+    out = out[slot_idx, :num_tokens, group_idx].transpose(1, 0, 2)  # [T, H, D]
+    # A decode sequence's one token takes the decode kernel's row. A select over tokens,
+    # not a scatter over sequences: XLA fuses it with the re-layout and the gather of the
+    # combined splits (one kernel where the scatter took three).
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq_of_token = jnp.minimum((query_start[None, 1:] <= token[:, None]).sum(axis=1, dtype=jnp.int32), num_seqs - 1)
     is_decode = query_start[1:] - query_start[:-1] == 1
-    # Non-decode sequences write to row T, a scratch row sliced off below.
-    dest = jnp.where(is_decode, query_start[:-1], num_tokens)
-    out = out.at[dest].set(decode_heads)
-    return out[:num_tokens]
+    takes_decode = is_decode[seq_of_token] & (token < query_start[num_seqs])
+    decode_heads = decode_out[:, slot_idx, group_idx].astype(q.dtype)  # [B, H, D]
+    return jnp.where(takes_decode[:, None, None], decode_heads[seq_of_token], out)

@@ -21,10 +21,10 @@ import copy
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from shiftjax.batch import StepBatch
-from shiftjax.kernels import AttentionMetadata, ragged_paged_attention, write_kv_cache
+from shiftjax.kernels import AttentionMetadata, apply_rope, ragged_paged_attention, write_qkv_to_cache
 from shiftjax.kernels.collectives import all_reduce, all_to_all, psum_reference
 from shiftjax.layouts.mesh import HEAD_AXES, SP, TP
 from shiftjax.weights import LayerWeights, LocalDims
@@ -34,20 +34,6 @@ def rms_norm(x: Float[Array, "tokens d"], weight: Float[Array, "d"], eps: float)
     x32 = x.astype(jnp.float32)
     normed = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight * normed.astype(x.dtype)
-
-
-def apply_rope(
-    x: Float[Array, "tokens heads head_dim"],
-    positions: Int[Array, "tokens"],
-    inv_freq: Float[Array, "half"],
-) -> Float[Array, "tokens heads head_dim"]:
-    """Rotary embedding in Hugging Face's ``rotate_half`` layout."""
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1).astype(x.dtype)[:, None, :]
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1).astype(x.dtype)[:, None, :]
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
 
 
 def psum_head_axes(x, implementation: str = "xla"):
@@ -93,15 +79,10 @@ def attention_core(
         qkv = qkv + bias[0]
     tokens = qkv.shape[0]
     q_width = dims.q_heads * dims.head_dim
-    kv_width = dims.kv_slots * dims.head_dim
-    q = qkv[:, :q_width].reshape(tokens, dims.q_heads, dims.head_dim)
-    k = qkv[:, q_width:q_width + kv_width].reshape(tokens, dims.kv_slots, dims.head_dim)
-    v = qkv[:, q_width + kv_width:].reshape(tokens, dims.kv_slots, dims.head_dim)
-    q = apply_rope(q, ctx.batch.positions, ctx.inv_freq)
-    k = apply_rope(k, ctx.batch.positions, ctx.inv_freq)
-    k_cache, v_cache = write_kv_cache(
-        k_cache, v_cache, k.astype(k_cache.dtype), v.astype(v_cache.dtype),
-        ctx.batch.slot_mapping, layer=layer)
+    q = apply_rope(qkv[:, :q_width].reshape(tokens, dims.q_heads, dims.head_dim), ctx.batch.positions, ctx.inv_freq)
+    k_cache, v_cache = write_qkv_to_cache(
+        k_cache, v_cache, qkv.reshape(tokens, -1, dims.head_dim), ctx.batch.positions, ctx.inv_freq,
+        ctx.batch.slot_mapping, q_heads=dims.q_heads, layer=layer, implementation=ctx.attention)
     out = ragged_paged_attention(
         q, k_cache, v_cache, ctx.metadata, layer=layer, sm_scale=dims.head_dim ** -0.5,
         kv_slot_of_head=dims.kv_slot_of_head, implementation=ctx.attention)

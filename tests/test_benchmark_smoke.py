@@ -42,7 +42,8 @@ SCRIPTS = {"shift_x2.py": (["--smoke", "--engine-variants", "shipped,in_step_sam
            "one_shot_all_reduce.py": (["--smoke", "--chain", "4"], "one_shot_all_reduce.json"),
            "command_buffer_log.py": (["--smoke"], "command_buffer_log.json"),
            "exchange_bandwidth.py": (["--smoke"], "exchange.json"),
-           "decode_anatomy.py": (["--smoke", "--seqs", "8", "--gemm-rows", "8"], "decode_anatomy.json")}
+           "decode_anatomy.py": (["--smoke", "--seqs", "8", "--gemm-rows", "8"], "decode_anatomy.json"),
+           "decode_gemm_sweep.py": (["--smoke"], "decode_gemm_sweep.json")}
 # restore_gpu.py --smoke runs in tests/test_sharded_restore.py, which checks its phases' results
 SMOKED_ELSEWHERE = {"restore_gpu.py"}
 SLOW = {"shift_x2.py", "x8_checks.py"}  # about a minute of wall clock each on a 2-core machine
@@ -166,6 +167,11 @@ def test_script_smoke(script, tmp_path):
         assert decode["executable"] == ["tp", 16, 8] and decode["hlo_instructions_from_model"] > 0, decode
         # K and V, 2 layers, 1 KV head of 32 (the smoke shape's TP-2 shard) in bf16, for 8 contexts
         assert decode["kv_bytes"] == 8 * decode["context_at_least"] * 2 * 2 * 1 * 32 * 2, decode
+    if script == "decode_gemm_sweep.py":  # the interpret-mode kernels matched the reference (it exits 1 otherwise):
+        # a split-K config and the SwiGLU kernel among them; and the real shapes lower to Triton
+        timed = {key: set(result["all_us"]) for key, result in data["results"].items()}
+        assert any("_sk1_" not in c for c in timed["proj:16"]) and timed["gate_up_swiglu:16"], timed
+        assert set(data["cuda_lowering"].values()) == {"ok"}, data["cuda_lowering"]
     if script == "shift_x2.py":  # every engine variant decodes the same greedy tokens (same arithmetic)
         assert data["engine"]["same_tokens_everywhere"] is True, output[-2000:]
         assert set(data["xla_options"]) >= {"skip_temp", "no_command_buffers"}, data["xla_options"]
