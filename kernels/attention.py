@@ -46,8 +46,9 @@ def ragged_paged_attention(
     positions ``0 ..`` that position, found at ``page_table[b, pos // page_size]``, offset
     ``pos % page_size``. The new tokens' K/V must already be in the cache
     (``write_kv_cache``, or ``write_qkv_to_cache``). ``kv_slot_of_head`` is a static tuple
-    naming the cache slot of each query head (GQA, also uneven groups such as ``(0, 0, 0, 1, 1)``); ``None`` means
-    head ``h`` reads slot ``h // (q_heads // kv_slots)``. Padding tokens give zeros.
+    naming the cache slot of each query head (GQA, also uneven groups such as
+    ``(0, 0, 0, 1, 1)``); ``None`` means head ``h`` reads slot ``h // (q_heads // kv_slots)``.
+    Padding tokens give zeros.
     Returns ``q.dtype``, accumulated in f32. ``config``: a ``PallasAttentionConfig`` for the
     Pallas path (ignored by the reference).
     """
