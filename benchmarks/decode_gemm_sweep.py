@@ -455,8 +455,9 @@ def table(results: dict) -> str:
     for r in results.values():
         best = r["best"] or {"us": float("nan"), "of_read": float("nan"), "over_cublas": float("nan"),
                              "config": "(none ran)", "max_abs_diff": float("nan")}
-        lines.append(f"{r['proj']:15s} {r['rows']:3d} {r['cublas_us']:9.1f} {r['cublas_of_read']:6.0%} {best['us']:9.1f} "
-                     f"{best['of_read']:6.0%} {best['over_cublas']:6.2f}  {best['config']:26s} {r['configs_tried']:5d} "
+        lines.append(f"{r['proj']:15s} {r['rows']:3d} {r['cublas_us']:9.1f} {r['cublas_of_read']:6.0%} "
+                     f"{best['us']:9.1f} {best['of_read']:6.0%} {best['over_cublas']:6.2f}  {best['config']:26s} "
+                     f"{r['configs_tried']:5d} "
                      f"{len(r['configs_failed']):6d} {best['max_abs_diff']:8.4f}"
                      + (f"  (stopped: {r['stopped_by']})" if r["stopped_by"] else ""))
     return "\n".join(lines)

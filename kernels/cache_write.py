@@ -12,17 +12,14 @@ donation).
 Implementations behind ``write_qkv_to_cache``, as for attention: ``"reference"``
 (``apply_rope`` then ``reference.write_kv_cache``), ``"pallas"``, and ``"auto"`` (Pallas on
 a GPU backend). The kernel rounds as ``apply_rope`` does (cos and sin in the activation
-dtype, products and sum in it), so the two differ only where the backends' cos and sin do.
+dtype, products and sum in it); the two may differ by a rounding where a backend's cos or
+sin does, or where one contracts a product and its sum into an FMA.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from .reference import write_kv_cache
@@ -73,6 +70,8 @@ def write_qkv_to_cache(
                          f"{list(v_cache.shape)} must have one shape and dtype.")
     if qkv.shape[1:] != (q_heads + 2 * kv_slots, head_dim):
         raise ValueError(f"qkv {list(qkv.shape)} must be [tokens, {q_heads} + 2 x {kv_slots} heads, {head_dim}].")
+    if inv_freq.shape != (head_dim // 2,):
+        raise ValueError(f"inv_freq {list(inv_freq.shape)} must hold head_dim / 2 = {head_dim // 2} frequencies.")
     if implementation == "auto":
         implementation = "pallas" if jax.default_backend() == "gpu" else "reference"
     if implementation == "reference":
@@ -80,36 +79,7 @@ def write_qkv_to_cache(
         v = qkv[:, q_heads + kv_slots:]
         return write_kv_cache(k_cache, v_cache, k.astype(k_cache.dtype), v.astype(v_cache.dtype), slot_mapping,
                               layer=layer)
-    if head_dim < 4 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim={head_dim}: the kernel's half rows need a power of two (Triton's shapes).")
-    args = [slot_mapping.astype(jnp.int32), positions.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
-            inv_freq.astype(jnp.float32), qkv, k_cache, v_cache]
-    return pl.pallas_call(
-        functools.partial(_kernel, q_heads=q_heads, kv_slots=kv_slots, page_size=k_cache.shape[3]),
-        grid=(qkv.shape[0],),
-        in_specs=[pl.no_block_spec] * len(args),
-        out_specs=[pl.no_block_spec, pl.no_block_spec],
-        out_shape=[jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)] * 2,
-        input_output_aliases={5: 0, 6: 1},
-        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
-        interpret=interpret,
-        name="write_qkv_to_cache",
-    )(*args)
+    from .cache_write_gpu import write_qkv_to_cache_pallas  # Triton lowering only when asked
 
-
-def _kernel(slot_ref, position_ref, layer_ref, inv_freq_ref, qkv_ref, _k_in, _v_in, k_ref, v_ref, *,
-            q_heads, kv_slots, page_size):
-    token = pl.program_id(0)
-    slot = slot_ref[token]
-    page, offset, layer = slot // page_size, slot % page_size, layer_ref[0]
-    half = inv_freq_ref.shape[0]
-    lo, hi = pl.ds(0, half), pl.ds(half, half)
-    dtype = qkv_ref.dtype
-    angles = position_ref[token].astype(jnp.float32) * inv_freq_ref[...]
-    cos, sin = jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
-    for j in range(kv_slots):  # few and static
-        k_lo, k_hi = qkv_ref[token, q_heads + j, lo], qkv_ref[token, q_heads + j, hi]
-        # rotate_half: [x_lo, x_hi] -> [-x_hi, x_lo], each product and the sum rounded as in apply_rope
-        k_ref[layer, j, page, offset, lo] = (k_lo * cos + (-k_hi) * sin).astype(k_ref.dtype)
-        k_ref[layer, j, page, offset, hi] = (k_hi * cos + k_lo * sin).astype(k_ref.dtype)
-        v_ref[layer, j, page, offset, :] = qkv_ref[token, q_heads + kv_slots + j, :].astype(v_ref.dtype)
+    return write_qkv_to_cache_pallas(k_cache, v_cache, qkv, positions, inv_freq, slot_mapping, q_heads=q_heads,
+                                     layer=layer, interpret=interpret)

@@ -433,11 +433,11 @@ def ragged_paged_attention_pallas(
     out = out_rows.reshape(kv_slots, num_tokens + pad_tokens, group, head_dim)
     out = out[slot_idx, :num_tokens, group_idx].transpose(1, 0, 2)  # [T, H, D]
     # A decode sequence's one token takes the decode kernel's row. A select over tokens,
-    # not a scatter over sequences: XLA fuses it with the re-layout and the gather of the
-    # combined splits (one kernel where the scatter took three).
+    # not a scatter over sequences: XLA fuses it with the re-layout and the merge of the
+    # splits (one kernel where the scatter and the merge took two or three).
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     seq_of_token = jnp.minimum((query_start[None, 1:] <= token[:, None]).sum(axis=1, dtype=jnp.int32), num_seqs - 1)
     is_decode = query_start[1:] - query_start[:-1] == 1
-    takes_decode = is_decode[seq_of_token] & (token < query_start[num_seqs])
+    takes_decode = is_decode[seq_of_token] & (token >= query_start[0]) & (token < query_start[num_seqs])
     decode_heads = decode_out[:, slot_idx, group_idx].astype(q.dtype)  # [B, H, D]
     return jnp.where(takes_decode[:, None, None], decode_heads[seq_of_token], out)

@@ -25,7 +25,7 @@ def case(rng, tokens, q_heads, kv_slots, head_dim, layers=3, pages=6, page_size=
 
 @settings(max_examples=20, deadline=None)
 @given(st.data())
-def test_kernel_is_the_reference_bit_for_bit(data):
+def test_kernel_matches_the_reference(data):
     """Random slots (padding colliding in the scratch page 0 included), layer, heads, dtype:
     outside page 0, V byte for byte and K within one rounding of the reference."""
     page_size, pages = 4, 6
@@ -44,7 +44,8 @@ def test_kernel_is_the_reference_bit_for_bit(data):
                              interpret=True, **kwargs)
     (got_k, got_v), (want_k, want_v) = got, want
     assert got_k.dtype == got_v.dtype == want_k.dtype == dtype
-    np.testing.assert_array_equal(np.asarray(got_v)[:, :, 1:].view(np.uint8), np.asarray(want_v)[:, :, 1:].view(np.uint8))
+    written = (slice(None), slice(None), slice(1, None))  # page 0 is the scratch page
+    np.testing.assert_array_equal(np.asarray(got_v)[written].view(np.uint8), np.asarray(want_v)[written].view(np.uint8))
     # K: the same products and sum, but whether a backend contracts a product and its sum
     # into one FMA is its own: apart by a rounding of the products (near-cancelling sums
     # make that large against the result, so the bound is on the inputs' scale).
@@ -84,14 +85,32 @@ def test_the_kernel_lowers_to_triton_at_llama_shapes():
 def test_bad_arguments_fail_with_a_sentence():
     k_cache, v_cache, qkv, positions, inv_freq = case(np.random.default_rng(1), 2, 4, 2, 32)
     slots = jnp.zeros(2, jnp.int32)
-    call = lambda **kw: write_qkv_to_cache(**{**dict(k_cache=k_cache, v_cache=v_cache, qkv=qkv, positions=positions,  # noqa: E731
-                                                     inv_freq=inv_freq, slot_mapping=slots, q_heads=4, layer=0), **kw})
+    defaults = dict(k_cache=k_cache, v_cache=v_cache, qkv=qkv, positions=positions, inv_freq=inv_freq,
+                    slot_mapping=slots, q_heads=4, layer=0)
+    call = lambda **kw: write_qkv_to_cache(**{**defaults, **kw})  # noqa: E731
     with pytest.raises(ValueError, match="implementation"):
         call(implementation="cuda")
     with pytest.raises(ValueError, match="must be \\[tokens, 3 \\+ 2 x 2 heads"):
         call(q_heads=3)
     with pytest.raises(ValueError, match="one shape and dtype"):
         call(v_cache=v_cache.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="head_dim / 2 = 16 frequencies"):
+        call(inv_freq=inv_freq[:8], implementation="pallas")
     k24, v24, qkv24, _, _ = case(np.random.default_rng(2), 2, 4, 2, 24)
     with pytest.raises(ValueError, match="power of two"):
         call(k_cache=k24, v_cache=v24, qkv=qkv24, inv_freq=inv_freq[:12], implementation="pallas")
+
+
+def test_f32_activations_over_a_bf16_cache():
+    """A model may carry activations in f32 over a bf16 cache: K rotated in f32, then rounded
+    once to the cache's dtype, as the reference does."""
+    k_cache, v_cache, qkv, positions, inv_freq = case(np.random.default_rng(3), 6, 4, 2, 32, dtype=jnp.bfloat16)
+    qkv = qkv.astype(jnp.float32) * 1.001  # values a bf16 cache cannot hold exactly
+    slots = jnp.asarray([4, 9, 13, 17, 21, 2], jnp.int32)
+    kwargs = dict(q_heads=4, layer=2)
+    want = write_qkv_to_cache(k_cache, v_cache, qkv, positions, inv_freq, slots, implementation="reference", **kwargs)
+    got = write_qkv_to_cache(k_cache, v_cache, qkv, positions, inv_freq, slots, implementation="pallas",
+                             interpret=True, **kwargs)
+    for a, b in zip(got, want):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a[:, :, 1:], np.float32), np.asarray(b[:, :, 1:], np.float32))
