@@ -23,7 +23,7 @@ def case(rng, tokens, q_heads, kv_slots, head_dim, layers=3, pages=6, page_size=
     return k_cache, v_cache, qkv, positions, inv_freq
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(st.data())
 def test_kernel_matches_the_reference(data):
     """Random slots (padding colliding in the scratch page 0 included), layer, heads, dtype:
