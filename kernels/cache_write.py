@@ -25,6 +25,9 @@ from jaxtyping import Array, Float, Int
 from .reference import write_kv_cache
 
 CacheArray = Float[Array, "layers kv_slots num_pages page_size head_dim"]
+QkvHeads = Float[Array, "tokens heads head_dim"]
+TokenInts = Int[Array, "tokens"]
+Frequencies = Float[Array, "half"]
 _IMPLEMENTATIONS = ("auto", "reference", "pallas")
 
 

@@ -9,22 +9,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Int
 
-from .cache_write import CacheArray
+from .cache_write import CacheArray, Frequencies, QkvHeads, TokenInts
 
 
 def write_qkv_to_cache_pallas(
-    k_cache: CacheArray,
-    v_cache: CacheArray,
-    qkv: Float[Array, "tokens heads head_dim"],
-    positions: Int[Array, "tokens"],
-    inv_freq: Float[Array, "half"],
-    slot_mapping: Int[Array, "tokens"],
-    *,
-    q_heads: int,
-    layer: Int[Array, ""] | int,
-    interpret: bool = False,
+    k_cache: CacheArray, v_cache: CacheArray, qkv: QkvHeads, positions: TokenInts, inv_freq: Frequencies,
+    slot_mapping: TokenInts, *, q_heads: int, layer: Int[Array, ""] | int, interpret: bool = False,
 ) -> tuple[CacheArray, CacheArray]:
     """``write_qkv_to_cache``'s Pallas path (same contract; the caller checked the shapes)."""
     head_dim = k_cache.shape[4]
