@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
-from .metadata import AttentionMetadata, heads_by_slot, kv_slot_map
+from .metadata import AttentionMetadata, heads_by_slot, kv_slot_map, token_layout
 
 # Finite, so that exp(mask - m) is 0 without inf - inf; every block a program visits has
 # at least one visible key for its real rows, so masked logits never win a row max.
@@ -435,9 +435,8 @@ def ragged_paged_attention_pallas(
     # A decode sequence's one token takes the decode kernel's row. A select over tokens,
     # not a scatter over sequences: XLA fuses it with the re-layout and the merge of the
     # splits (one kernel where the scatter and the merge took two or three).
-    token = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq_of_token = jnp.minimum((query_start[None, 1:] <= token[:, None]).sum(axis=1, dtype=jnp.int32), num_seqs - 1)
+    seq_of_token, _, real = token_layout(metadata, num_tokens)
     is_decode = query_start[1:] - query_start[:-1] == 1
-    takes_decode = is_decode[seq_of_token] & (token >= query_start[0]) & (token < query_start[num_seqs])
+    takes_decode = is_decode[seq_of_token] & real
     decode_heads = decode_out[:, slot_idx, group_idx].astype(q.dtype)  # [B, H, D]
     return jnp.where(takes_decode[:, None, None], decode_heads[seq_of_token], out)
