@@ -47,7 +47,7 @@ from roofline import device_idle, device_time, kernel_kind, read_ceiling  # noqa
 from shift_x2 import big_config, kv_bytes_per_token, log, weight_bytes_per_device, write_results  # noqa: E402
 
 from shiftjax.layouts.mesh import make_mesh  # noqa: E402
-from shiftjax.serving.engine import Engine  # noqa: E402
+from shiftjax.serving.engine.core import Engine  # noqa: E402
 from shiftjax.weights import shard_params  # noqa: E402
 
 SHAPES = ("llama8b", "tp2_shard")

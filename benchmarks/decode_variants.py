@@ -35,7 +35,7 @@ import model_gpu  # noqa: E402
 from hlo_moves import hlo_report  # noqa: E402
 from roofline import ceilings, describe, device_time, time_fn  # noqa: E402
 
-from shiftjax.serving.executables import to_device  # noqa: E402
+from shiftjax.serving.engine.executables import to_device  # noqa: E402
 from shiftjax.steps import LAYER_LOOPS, make_step, params_for  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "default")

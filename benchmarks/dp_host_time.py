@@ -17,7 +17,7 @@ elapsed time: P when the replicas' steps fully overlap, 1 when they take turns).
 48 output tokens (decode-dominated, as serving is).
 
 Results (2026-11-29, the 2-core CPU shared with other sessions, load average ~15; JSON in
-benchmarks/results/dp_host_time/, summarised in serving/data_parallel.py's docstring; the
+benchmarks/results/dp_host_time/, summarised in serving/server/data_parallel.py's docstring; the
 script then lived in ../shared/probes and wrote one file per run):
 default model, host ms/step 1.16 (P=1), 1.33 (P=4 threads), 1.05 (P=4 processes), XLA
 0.36 to 2.7 s/step, 3.97 steps in flight: device-bound, no GIL effect. --tiny --repeats
@@ -46,7 +46,7 @@ _step = threading.local()  # the device seconds of the step running on this thre
 def instrument(engine, timings: list) -> None:
     """Wraps the engine's two device-touching calls (the executable, the fetch of its
     packed result); appends (wall, device) seconds per step to ``timings``."""
-    from shiftjax.serving import executables as exe
+    from shiftjax.serving.engine import executables as exe
 
     original_get, original_run = engine.executables.get, engine.run_step
 
@@ -80,7 +80,7 @@ def _timed(function):
 
 def drive(engine, seed: int) -> int:
     """Adds the workload and steps the engine to the end on this thread; returns tokens."""
-    from shiftjax.serving.sampling_params import SamplingParams
+    from shiftjax.serving.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=OUTPUT, ignore_eos=True)
     tokens = 0
@@ -101,7 +101,7 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_si
 def build(devices):
     """One engine per device: the default model, or with PROBE_TINY=1 a 2-layer random
     Llama whose steps are mostly host time (the GIL's worst case)."""
-    from shiftjax.serving.llm import LLM
+    from shiftjax.serving.engine.llm import LLM
 
     if os.environ.get("PROBE_TINY") == "1":
         config = "/tmp/dp_host_time_tiny/config.json"

@@ -24,9 +24,9 @@ from shift_x2 import COMMAND_BUFFER_OPTIONS, PAGE, big_config, kv_bytes_per_toke
 
 from shiftjax import model as model_module
 from shiftjax.layouts.mesh import make_mesh
-from shiftjax.serving import executables as executables_module
-from shiftjax.serving.engine import Engine, EngineConfig
-from shiftjax.serving.sampling_params import SamplingParams
+from shiftjax.serving.engine import executables as executables_module
+from shiftjax.serving.engine.core import Engine, EngineConfig
+from shiftjax.serving.engine.sampling_params import SamplingParams
 from shiftjax.weights import shard_params
 
 

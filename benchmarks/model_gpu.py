@@ -36,9 +36,9 @@ from shiftjax.cache import CacheConfig, KVCache, allocate_cache  # noqa: E402
 from shiftjax.config import ModelConfig  # noqa: E402
 from shiftjax.layouts.mesh import make_mesh  # noqa: E402
 from shiftjax.params import param_shapes, params_from_flat, random_params  # noqa: E402
-from shiftjax.serving.executables import BucketLadder, pad_batch, to_device  # noqa: E402
-from shiftjax.serving.sampling_params import SamplingParams  # noqa: E402
-from shiftjax.serving.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from shiftjax.serving.engine.executables import BucketLadder, pad_batch, to_device  # noqa: E402
+from shiftjax.serving.engine.sampling_params import SamplingParams  # noqa: E402
+from shiftjax.serving.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from shiftjax.steps import make_step, params_for  # noqa: E402
 from shiftjax.weights import shard_params  # noqa: E402
 

@@ -334,9 +334,9 @@ PAPER = {"Shift": (102, 10.1, 37.4e3), "TP": (159, 9.34, 24.7e3), "DP": (614, 22
 
 def simulate_deployment(model: StepModel, name: str, requests, max_concurrency, sp_weights: str) -> dict:
     from shiftjax.serving.bench import simulate as sim
-    from shiftjax.serving.executables import BucketLadder
-    from shiftjax.serving.policy import ShiftPolicy
-    from shiftjax.serving.scheduler import SchedulerConfig
+    from shiftjax.serving.engine.executables import BucketLadder
+    from shiftjax.serving.engine.policy import ShiftPolicy
+    from shiftjax.serving.engine.scheduler import SchedulerConfig
 
     dep, policy, threshold = DEPLOYMENTS[name]
     dep = dataclasses.replace(dep, sp_weights=sp_weights)

@@ -9,7 +9,7 @@ the host and the devices are close; this measures it where it can be changed.
 Writes ``scheduler_host.json``: per sequence count, the median microseconds per call of
 each phase over ``--steps`` decode steps (after every prompt is prefilled), steps run one
 at a time (schedule, then commit with made-up tokens). ``--baseline REV`` measures that
-git revision's ``serving/scheduler.py`` in the same process too, alternating with this
+git revision's ``serving/engine/scheduler.py`` in the same process too, alternating with this
 tree's over ``--repeats`` (this machine's timings drift by 2x between runs), and reports
 the median over repeats of each.
 """
@@ -26,19 +26,19 @@ from pathlib import Path
 
 import numpy as np
 
-from shiftjax.serving.batch_upload import pack_batch
-from shiftjax.serving.executables import pad_batch
-from shiftjax.serving.sampling_params import SamplingParams
-from shiftjax.serving import scheduler as current
+from shiftjax.serving.engine.batch_upload import pack_batch
+from shiftjax.serving.engine.executables import pad_batch
+from shiftjax.serving.engine.sampling_params import SamplingParams
+from shiftjax.serving.engine import scheduler as current
 
 
 def scheduler_at(revision: str) -> types.ModuleType:
-    """``serving/scheduler.py`` as it was at a git revision, loaded as a module."""
-    source = subprocess.run(["git", "show", f"{revision}:serving/scheduler.py"], capture_output=True, text=True,
+    """``serving/engine/scheduler.py`` as it was at a git revision, loaded as a module."""
+    source = subprocess.run(["git", "show", f"{revision}:serving/engine/scheduler.py"], capture_output=True, text=True,
                             check=True, cwd=Path(__file__).parent).stdout
     module = types.ModuleType(f"scheduler_at_{revision}")
     sys.modules[module.__name__] = module  # dataclasses look their module up
-    exec(compile(source, f"{revision}:serving/scheduler.py", "exec"), module.__dict__)
+    exec(compile(source, f"{revision}:serving/engine/scheduler.py", "exec"), module.__dict__)
     return module
 
 

@@ -41,10 +41,10 @@ from shiftjax.cache import CacheConfig, allocate_cache  # noqa: E402
 from shiftjax.kernels import collectives as collective_kernels  # noqa: E402
 from shiftjax.kernels.collectives import setup_one_shot  # noqa: E402
 from shiftjax.layouts.mesh import make_mesh  # noqa: E402
-from shiftjax.serving import executables as executables_module  # noqa: E402
-from shiftjax.serving.engine import Engine, EngineConfig  # noqa: E402
-from shiftjax.serving.executables import to_device  # noqa: E402
-from shiftjax.serving.sampling_params import SamplingParams  # noqa: E402
+from shiftjax.serving.engine import executables as executables_module  # noqa: E402
+from shiftjax.serving.engine.core import Engine, EngineConfig  # noqa: E402
+from shiftjax.serving.engine.executables import to_device  # noqa: E402
+from shiftjax.serving.engine.sampling_params import SamplingParams  # noqa: E402
 from shiftjax.steps import make_step, params_for  # noqa: E402
 from shiftjax.weights import shard_params  # noqa: E402
 
@@ -349,7 +349,7 @@ def levers(smoke: bool, attention: str, profile: bool) -> dict:
       vocabulary) with no collectives: how much of the launch the all-reduces cost;
     - one GPU with the whole model prefilling one prompt: DP's share of the equal work.
     """
-    from shiftjax.serving.executables import pad_batch
+    from shiftjax.serving.engine.executables import pad_batch
 
     config = big_config(smoke)
     ctx, prompt, max_pages = (64, 64, 8) if smoke else (1024, 2048, 260)

@@ -37,7 +37,7 @@ from shift_x2 import PAGE, big_config, prefill_batch, time_steps  # noqa: E402
 import shiftjax.steps as steps_module  # noqa: E402
 from shiftjax.layouts.mesh import SP, TP, make_mesh  # noqa: E402
 from shiftjax.model import _column_blocks, _row_blocks, _swiglu, attention_core, rms_norm  # noqa: E402
-from shiftjax.serving.executables import xla_compiler_options  # noqa: E402
+from shiftjax.serving.engine.executables import xla_compiler_options  # noqa: E402
 from shiftjax.weights import shard_params  # noqa: E402
 
 

@@ -43,11 +43,11 @@ def listen(name, seconds, **_):
     count_seconds[0] += 1
     count_seconds[1] += seconds
 jax.monitoring.register_event_duration_secs_listener(listen)
-from shiftjax.serving.llm import LLM
+from shiftjax.serving.engine.llm import LLM
 llm = LLM(**options)
 ready = time.perf_counter() - began
 executables = llm.engine.executables
-from shiftjax.serving.sampling_params import SamplingParams
+from shiftjax.serving.engine.sampling_params import SamplingParams
 [completion] = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True))  # they run
 print("RESULT " + json.dumps({"start_seconds": ready, "output_ids": completion.output_ids,
                               "executables_seconds": executables.wall_seconds,

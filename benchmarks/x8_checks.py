@@ -46,9 +46,9 @@ from shiftjax.cache import CacheConfig, allocate_cache  # noqa: E402
 from shiftjax.checkpoints.default_model import default_model_path  # noqa: E402
 from shiftjax.checkpoints.load import load_weights  # noqa: E402
 from shiftjax.layouts.mesh import make_mesh  # noqa: E402
-from shiftjax.serving.engine import Engine, EngineConfig  # noqa: E402
-from shiftjax.serving.executables import to_device  # noqa: E402
-from shiftjax.serving.sampling_params import SamplingParams  # noqa: E402
+from shiftjax.serving.engine.core import Engine, EngineConfig  # noqa: E402
+from shiftjax.serving.engine.executables import to_device  # noqa: E402
+from shiftjax.serving.engine.sampling_params import SamplingParams  # noqa: E402
 from shiftjax.steps import make_step, params_for  # noqa: E402
 from shiftjax.weights import shard_params  # noqa: E402
 

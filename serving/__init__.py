@@ -4,7 +4,7 @@ imports neither JAX nor grpc."""
 
 import importlib
 
-_LAZY = {"Client": "shiftjax.serving.client", "AsyncClient": "shiftjax.serving.client"}
+_LAZY = {"Client": "shiftjax.serving.client.grpc_client", "AsyncClient": "shiftjax.serving.client.grpc_client"}
 
 
 def __getattr__(name):

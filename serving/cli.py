@@ -16,8 +16,8 @@ def main(argv: list[str] | None = None) -> int:
         "convert": _checkpoint_command("convert_main"),
         "import-gguf": _checkpoint_command("import_gguf_main"),
         "prepare-default": prepare_default_main,
-        "serve": _lazy_command("shiftjax.serving.serve_cli", "serve_main"),
-        "client": _lazy_command("shiftjax.serving.client_cli", "client_main"),
+        "serve": _lazy_command("shiftjax.serving.server.cli", "serve_main"),
+        "client": _lazy_command("shiftjax.serving.client.cli", "client_main"),
         "bench": _lazy_command("shiftjax.serving.bench.cli", "bench_main"),
     }
     if not argv or argv[0] not in commands:
@@ -49,7 +49,7 @@ def prepare_default_main(argv: list[str]) -> int:
 
 
 def _parse_generate(argv: list[str]) -> argparse.Namespace:
-    from shiftjax.serving.engine_args import add_engine_arguments
+    from shiftjax.serving.engine.engine_args import add_engine_arguments
 
     parser = argparse.ArgumentParser(prog="shiftjax generate", description="Offline batched generation.")
     parser.add_argument("prompts", nargs="*", metavar="PROMPT")
@@ -82,14 +82,14 @@ def _parse_ids(text: str) -> list[int]:
 
 def generate_main(argv: list[str]) -> int:
     args = _parse_generate(argv)
-    from shiftjax.serving.engine_args import build_llm, configure_jax
+    from shiftjax.serving.engine.engine_args import build_llm, configure_jax
 
     configure_jax(args)  # platform, processes, compilation cache: before any compile
     import jax
 
     from shiftjax.checkpoints.format import CheckpointError
     from shiftjax.config import ConfigError
-    from shiftjax.serving.sampling_params import SamplingParams
+    from shiftjax.serving.engine.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,

@@ -90,7 +90,7 @@ class Server:
 
 def single_request(client, max_tokens: int) -> list[str]:
     """Streams one chat answer to the terminal; returns the modes of its decode steps."""
-    from shiftjax.serving.client import Completion
+    from shiftjax.serving.client.grpc_client import Completion
 
     question = "What is the capital of France?"
     print(f"\n== one request (chat): {question!r}\n", flush=True)
@@ -107,7 +107,7 @@ def single_request(client, max_tokens: int) -> list[str]:
 
 
 async def _burst(server: str, max_tokens: int):
-    from shiftjax.serving.client import AsyncClient
+    from shiftjax.serving.client.grpc_client import AsyncClient
 
     async with AsyncClient(server, timeout=300.0) as client:
         async def one(i, prompt):
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("serve_args", nargs="*", help="more `shiftjax serve` options (after --)")
     args = parser.parse_args(argv)
     from shiftjax.serving.bench.server_process import free_port
-    from shiftjax.serving.client import Client
+    from shiftjax.serving.client.grpc_client import Client
 
     started = time.monotonic()
     grpc_port, metrics_port = free_port(), free_port()

@@ -7,8 +7,8 @@ This module stays light: subpackage imports run it first. ``shiftjax.LLM`` and
 import importlib
 
 _LAZY = {
-    "LLM": "shiftjax.serving.llm",
-    "SamplingParams": "shiftjax.serving.sampling_params",
+    "LLM": "shiftjax.serving.engine.llm",
+    "SamplingParams": "shiftjax.serving.engine.sampling_params",
 }
 
 __all__ = sorted(_LAZY)

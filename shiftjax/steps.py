@@ -5,7 +5,7 @@ donated, both write the same cache arrays with the same PartitionSpec, and both 
 on the device so that one small ``[seqs, 2 + 2 * max_top_logprobs]`` int32 array (token,
 float32 log-prob bits, then the alternatives' ids and log-prob bits) is all that goes to
 the host. A step made with ``sample_in_step=False`` packs the greedy tokens only and
-returns the logits, for the engine's separate sampler (``serving/samplers.py``).
+returns the logits, for the engine's separate sampler (``serving/engine/sampler_executables.py``).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ import asyncio
 import itertools
 import time
 
-from shiftjax.serving.errors import DeadlineExceeded, InvalidRequest, Overloaded, RequestFailed, Unavailable
-from shiftjax.serving.protocol import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Delta, GenerationRequest,
+from shiftjax.serving.engine.errors import DeadlineExceeded, InvalidRequest, Overloaded, RequestFailed, Unavailable
+from shiftjax.serving.server.protocol import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Delta, GenerationRequest,
                                        ServiceStats, TokenLogprob, Usage, prompt_ids_or_error)
 
 PAGE_SIZE = 16
@@ -76,7 +76,7 @@ class FakeEngineService:
                             ready=self.ready, draining=self.draining)
 
     def info(self) -> dict:
-        """Laid out as serving/service_info.py lays out the real service's."""
+        """Laid out as serving/server/service_info.py lays out the real service's."""
         return {"model": "fake", "modes": ["tp", "sp"], "mesh": {"sp": 2, "tp": 2, "axes": ["sp", "tp"]},
                 "buckets": {"tokens": [16, 64], "seqs": [4]},
                 "page_pool": {"num_pages": self.num_pages, "free_pages": self.free_pages, "page_size": PAGE_SIZE},
@@ -150,7 +150,7 @@ class ServerThread:
     def __init__(self, service=None, **server_options):
         import threading
 
-        from shiftjax.serving.grpc_server import GrpcServer
+        from shiftjax.serving.server.grpc_server import GrpcServer
 
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)

@@ -13,7 +13,7 @@ import time
 import grpc
 from hypothesis import strategies as st
 
-from shiftjax.serving.client import generate_request
+from shiftjax.serving.client.grpc_client import generate_request
 from shiftjax.serving.proto.shiftjax.v1 import inference_pb2 as pb
 
 NAN, INF = float("nan"), float("inf")

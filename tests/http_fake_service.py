@@ -12,8 +12,8 @@ import asyncio
 import itertools
 import time
 
-from shiftjax.serving.errors import InvalidRequest, Overloaded, RequestFailed, Unavailable
-from shiftjax.serving.protocol import (
+from shiftjax.serving.engine.errors import InvalidRequest, Overloaded, RequestFailed, Unavailable
+from shiftjax.serving.server.protocol import (
     FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Delta, GenerationRequest, ServiceStats, TokenLogprob,
     Usage, prompt_ids_or_error,
 )

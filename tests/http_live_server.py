@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 
-from shiftjax.serving.http_server import uvicorn_server
+from shiftjax.serving.server.http_server import uvicorn_server
 
 
 @contextlib.contextmanager

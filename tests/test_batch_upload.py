@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 from shiftjax.batch import empty_batch
-from shiftjax.serving.batch_upload import TOKEN_ROWS, pack_batch, unpack_batch, unpack_sequences
+from shiftjax.serving.engine.batch_upload import TOKEN_ROWS, pack_batch, unpack_batch, unpack_sequences
 
 
 def filled_batch(tokens=8, seqs=3, max_pages=5):

@@ -22,9 +22,9 @@ ENGINE = dict(max_model_len=128, page_size=16, num_pages=64, max_num_seqs=8, max
 def served():
     from grpc_harness import ServerThread
 
-    from shiftjax.serving.http_server import create_app, uvicorn_server
-    from shiftjax.serving.llm import LLM
-    from shiftjax.serving.service import AsyncEngineService
+    from shiftjax.serving.server.http_server import create_app, uvicorn_server
+    from shiftjax.serving.engine.llm import LLM
+    from shiftjax.serving.server.service import AsyncEngineService
 
     llm = LLM("default", sp=2, tp=2, **ENGINE)
     service = AsyncEngineService(llm.engine, llm.tokenizer, model_name="default")

@@ -49,7 +49,7 @@ def http_server():
     import uvicorn
     from http_fake_service import FakeService
 
-    from shiftjax.serving.http_server import create_app
+    from shiftjax.serving.server.http_server import create_app
 
     service = FakeService(token_delay=0.003)
     port = free_port()

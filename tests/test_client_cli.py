@@ -11,7 +11,7 @@ import pytest
 from grpc_harness import FakeEngineService, ServerThread, expected_output
 from shiftjax.checkpoints.default_model import default_model_path
 from shiftjax.checkpoints.tokenizer import Tokenizer
-from shiftjax.serving.client_cli import client_main
+from shiftjax.serving.client.cli import client_main
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def test_a_refused_request_prints_the_status_and_exits_1(server, capsys):
 
 
 def test_async_client_streams_concurrently(server):
-    from shiftjax.serving.client import AsyncClient
+    from shiftjax.serving.client.grpc_client import AsyncClient
 
     async def run():
         async with AsyncClient(server.address, timeout=30.0) as client:
@@ -62,6 +62,6 @@ def test_async_client_streams_concurrently(server):
 
 
 def test_the_client_imports_no_jax():
-    code = ("import sys, shiftjax.serving.client_cli, shiftjax.serving; shiftjax.serving.Client; "
+    code = ("import sys, shiftjax.serving.client.cli, shiftjax.serving; shiftjax.serving.Client; "
             "assert not [m for m in sys.modules if m == 'jax' or m.startswith('jax.')], 'jax imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

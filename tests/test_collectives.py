@@ -32,7 +32,7 @@ from shiftjax.kernels.collectives import (
 )
 from shiftjax.layouts.mesh import SP, TP, make_mesh
 from shiftjax.params import random_params
-from shiftjax.serving.engine import Engine, EngineConfig
+from shiftjax.serving.engine.core import Engine, EngineConfig
 from shiftjax.steps import make_step
 from shiftjax.weights import shard_params
 
@@ -130,7 +130,7 @@ def test_steps_sum_every_layer_by_the_kernel(mode):
     config = CONFIG
     weights = shard_params(random_params(config, seed=1, scale=0.3, dtype=jnp.bfloat16), config,
                            make_mesh(1, 2, jax.devices()[:2]))
-    from shiftjax.serving import executables as exe  # the engine's lowering of a bucket
+    from shiftjax.serving.engine import executables as exe  # the engine's lowering of a bucket
 
     lowered = exe._lower_steps(weights, _abstract_caches(weights), [(mode, 8, 4)], result_rows=4, max_pages=4,
                                attention="reference", layer_loop="unrolled", max_top_logprobs=0,
@@ -146,7 +146,7 @@ def test_sp_steps_exchange_every_layer_by_the_kernel():
     kernel on the (2, 1) mesh, the first device's ordinal baked in; TP mode has none."""
     weights = shard_params(random_params(CONFIG, seed=1, scale=0.3, dtype=jnp.bfloat16), CONFIG,
                            make_mesh(2, 1, jax.devices()[:2][::-1]))
-    from shiftjax.serving import executables as exe
+    from shiftjax.serving.engine import executables as exe
 
     lowered = exe._lower_steps(weights, _abstract_caches(weights), [("sp", 8, 4), ("tp", 8, 4)], result_rows=4,
                                max_pages=4, attention="reference", layer_loop="unrolled", max_top_logprobs=0,
@@ -158,7 +158,7 @@ def test_sp_steps_exchange_every_layer_by_the_kernel():
 
 
 def _abstract_caches(weights):
-    from shiftjax.serving.page_pool import abstract_cache
+    from shiftjax.serving.engine.page_budget import abstract_cache
 
     return abstract_cache(weights.mesh, CONFIG.num_layers, weights.layout.kv_slots, CONFIG.head_dim, 4, "bfloat16")
 
@@ -221,7 +221,7 @@ def test_an_engine_without_sp_mode_exchanges_nothing():
 def test_cli_option_reaches_the_engine_config(collective):
     import argparse
 
-    from shiftjax.serving.engine_args import add_engine_arguments, engine_options
+    from shiftjax.serving.engine.engine_args import add_engine_arguments, engine_options
 
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
@@ -251,7 +251,7 @@ def test_a_step_on_gpus_not_set_up_is_refused():
 @pytest.mark.parametrize("collective, fallback", [("all_reduce", "psum"), ("all_to_all", "NCCL's all-to-all")])
 @pytest.mark.parametrize("failure", [RuntimeError("no nvcc"), PermissionError("read-only cache"), OSError("bad .so")])
 def test_auto_falls_back_to_xla_whatever_stops_the_kernel(monkeypatch, failure, collective, fallback):
-    from shiftjax.serving import engine as engine_module
+    from shiftjax.serving.engine import core as engine_module
 
     asked = []
 
@@ -273,7 +273,7 @@ def test_auto_falls_back_to_xla_whatever_stops_the_kernel(monkeypatch, failure, 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "all_to_all"])
 def test_store_keys_differ_by_collective(collective):
-    from shiftjax.serving.executable_store import step_key
+    from shiftjax.serving.engine.executable_store import step_key
 
     weights = shard_params(random_params(CONFIG, seed=1, scale=0.3), CONFIG, make_mesh(1, 2, jax.devices()[:2]))
     caches = _abstract_caches(weights)

@@ -14,10 +14,10 @@ import grpc
 import pytest
 
 from grpc_harness import FakeEngineService
-from shiftjax.serving.data_parallel import DataParallelService, StartupSummer, pick_replica
-from shiftjax.serving.errors import InvalidRequest, Overloaded, Unavailable
-from shiftjax.serving.protocol import GenerationRequest
-from shiftjax.serving.sampling_params import SamplingParams
+from shiftjax.serving.server.data_parallel import DataParallelService, StartupSummer, pick_replica
+from shiftjax.serving.engine.errors import InvalidRequest, Overloaded, Unavailable
+from shiftjax.serving.server.protocol import GenerationRequest
+from shiftjax.serving.engine.sampling_params import SamplingParams
 from loopback import wait_for
 
 
@@ -183,8 +183,8 @@ def test_serve_refuses_dp_with_sp_or_tp():
 
 
 def test_the_builder_refuses_what_the_command_line_refuses():
-    from shiftjax.serving.engine_args import build_data_parallel_service
-    from shiftjax.serving.serve_cli import _parser
+    from shiftjax.serving.server.service_args import build_data_parallel_service
+    from shiftjax.serving.server.cli import _parser
 
     for argv, message in ((["--dp", "2", "--tp", "2"], "cannot be combined with --sp 1 --tp 2"),
                           (["--dp", "2", "--num-processes", "2"], "in one process"),
@@ -194,8 +194,8 @@ def test_the_builder_refuses_what_the_command_line_refuses():
 
 
 def test_dp_needs_as_many_devices_as_replicas():
-    from shiftjax.serving.engine_args import build_data_parallel_service
-    from shiftjax.serving.serve_cli import _parser
+    from shiftjax.serving.server.service_args import build_data_parallel_service
+    from shiftjax.serving.server.cli import _parser
 
     args = _parser().parse_args(["--dp", "16", "--no-compilation-cache"])
     with pytest.raises(RuntimeError, match="--dp 16 needs 16 devices but JAX sees 8"):
@@ -224,10 +224,10 @@ def served():
     import jax
     from grpc_harness import ServerThread
 
-    from shiftjax.serving.engine_args import build_data_parallel_service
-    from shiftjax.serving.llm import LLM
-    from shiftjax.serving.metrics import Metrics
-    from shiftjax.serving.serve_cli import _parser
+    from shiftjax.serving.server.service_args import build_data_parallel_service
+    from shiftjax.serving.engine.llm import LLM
+    from shiftjax.serving.server.metrics import Metrics
+    from shiftjax.serving.server.cli import _parser
 
     metrics = Metrics()
     dp = build_data_parallel_service(_parser().parse_args(SERVE_ARGS), observer=metrics, report=lambda line: None)
@@ -246,7 +246,7 @@ def replicas_info(client) -> list[dict]:
 
 @pytest.mark.slow
 def test_concurrent_greedy_outputs_equal_offline_and_use_both_replicas(served):
-    from shiftjax.serving.client import AsyncClient
+    from shiftjax.serving.client.grpc_client import AsyncClient
 
     async def run():
         async with AsyncClient(served["address"], timeout=300.0) as client:
@@ -276,7 +276,7 @@ def test_cancel_and_deadline_free_pages_in_the_replica_that_held_the_request(ser
     """"At once" counted in steps, not seconds (this 2-core machine is shared): the engine
     takes cancellations and deadlines before every schedule, so at most the step already
     running goes by before the pages are free."""
-    from shiftjax.serving.client import Client
+    from shiftjax.serving.client.grpc_client import Client
 
     def freed_within_a_step(client, index: int, steps_before: int) -> bool:
         assert wait_for(lambda: replicas_info(client)[index]["free_pages"] == ENGINE["num_pages"] - 1, WAIT_SECONDS)

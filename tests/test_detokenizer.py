@@ -7,7 +7,7 @@ import pytest
 
 from shiftjax.checkpoints.default_model import default_model_path
 from shiftjax.checkpoints.load import load_tokenizer
-from shiftjax.serving.detokenizer import REPLACEMENT_CHARACTER, IncrementalDetokenizer
+from shiftjax.serving.engine.detokenizer import REPLACEMENT_CHARACTER, IncrementalDetokenizer
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",

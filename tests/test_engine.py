@@ -13,13 +13,13 @@ from test_parallel import transformers_model
 from shiftjax.config import ModelConfig
 from shiftjax.layouts.mesh import make_mesh
 from shiftjax.params import random_params
-from shiftjax.serving import scheduler as scheduler_module
-from shiftjax.serving.allocator import PageAllocator
-from shiftjax.serving import executables as exe
-from shiftjax.serving.engine import Engine, EngineConfig, StepFailed
-from shiftjax.serving.executables import BucketLadder, NoBucket
-from shiftjax.serving.sampling_params import SamplingParams
-from shiftjax.serving.scheduler import QueueFull, Scheduler, SchedulerConfig
+from shiftjax.serving.engine import scheduler as scheduler_module
+from shiftjax.serving.engine.page_allocator import PageAllocator
+from shiftjax.serving.engine import executables as exe
+from shiftjax.serving.engine.core import Engine, EngineConfig, StepFailed
+from shiftjax.serving.engine.executables import BucketLadder, NoBucket
+from shiftjax.serving.engine.sampling_params import SamplingParams
+from shiftjax.serving.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
 from shiftjax.weights import shard_params
 
 CONFIG = ModelConfig(architecture="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
@@ -433,8 +433,8 @@ def test_gemm_backend_options():
         EngineConfig(gemm="cutlass")
     assert EngineConfig().gemm == "cublas"
 
-    from shiftjax.serving.engine_args import engine_options
-    from shiftjax.serving.serve_cli import _parser
+    from shiftjax.serving.engine.engine_args import engine_options
+    from shiftjax.serving.server.cli import _parser
 
     gemm = next(a for a in _parser()._actions if a.dest == "gemm")
     assert tuple(gemm.choices) == exe.GEMM_BACKENDS and gemm.default == EngineConfig().gemm
@@ -456,8 +456,8 @@ def test_compile_workers(monkeypatch, weights):
     with pytest.raises(ValueError, match="compile_workers must be at least 1"):
         EngineConfig(compile_workers=0)
 
-    from shiftjax.serving.engine_args import engine_options
-    from shiftjax.serving.serve_cli import _parser
+    from shiftjax.serving.engine.engine_args import engine_options
+    from shiftjax.serving.server.cli import _parser
 
     assert EngineConfig(**engine_options(_parser().parse_args(["--compile-workers", "3"]))).compile_workers == 3
     assert EngineConfig(**engine_options(_parser().parse_args([]))).compile_workers is None

@@ -11,10 +11,10 @@ import pytest
 from shiftjax.config import ModelConfig
 from shiftjax.layouts.mesh import make_mesh
 from shiftjax.params import random_params
-from shiftjax.serving import executable_store
-from shiftjax.serving import executables as exe
-from shiftjax.serving.engine import Engine, EngineConfig
-from shiftjax.serving.sampling_params import SamplingParams
+from shiftjax.serving.engine import executable_store
+from shiftjax.serving.engine import executables as exe
+from shiftjax.serving.engine.core import Engine, EngineConfig
+from shiftjax.serving.engine.sampling_params import SamplingParams
 from shiftjax.weights import shard_params
 
 CONFIG = ModelConfig(architecture="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
@@ -148,8 +148,8 @@ if xla_cache:
 from shiftjax.config import ModelConfig
 from shiftjax.layouts.mesh import make_mesh
 from shiftjax.params import random_params
-from shiftjax.serving.engine import Engine, EngineConfig
-from shiftjax.serving.sampling_params import SamplingParams
+from shiftjax.serving.engine.core import Engine, EngineConfig
+from shiftjax.serving.engine.sampling_params import SamplingParams
 from shiftjax.weights import shard_params
 config = ModelConfig(**%(config)r)
 weights = shard_params(random_params(config, seed=5, scale=0.3), config, make_mesh(2, 1))
@@ -257,7 +257,7 @@ def test_the_temporaries_size_is_measured_once_then_read(weights, tmp_path, lowe
     """Sizing the page pool from memory compiles the largest steps to learn their
     temporaries; with a store, a warm start reads that size instead, and a change of any
     option the steps depend on, or a damaged entry, measures it again."""
-    from shiftjax.serving.page_pool import abstract_cache
+    from shiftjax.serving.engine.page_budget import abstract_cache
 
     store = executable_store.ExecutableStore(tmp_path / "store")
     caches = abstract_cache(weights.mesh, CONFIG.num_layers, weights.layout.kv_slots, CONFIG.head_dim, 4, "float32")
@@ -289,7 +289,7 @@ def test_an_engine_sized_from_memory_starts_warm_without_compiling(weights, tmp_
     """With no page count given, the engine sizes its pool from device memory, which needs
     the steps' temporaries: the cold start compiles the largest steps for them, a warm start
     reads them from the store and, its pool the same size, loads every step."""
-    from shiftjax.serving import page_pool
+    from shiftjax.serving.engine import page_budget as page_pool
 
     monkeypatch.setattr(page_pool, "device_memory", lambda devices: (8 * 2**20, 2**20))  # the CPU keeps none
     store = str(tmp_path / "store")

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from shiftjax.serving import cuda_memory
-from shiftjax.serving.cuda_memory import cuda_free_and_total
-from shiftjax.serving.gpu_allocator import JAX_ALLOCATOR_VARIABLE, use_gpu_allocator
-from shiftjax.serving.page_pool import device_memory
+from shiftjax.serving.engine import cuda_free_memory as cuda_memory
+from shiftjax.serving.engine.cuda_free_memory import cuda_free_and_total
+from shiftjax.serving.engine.xla_allocator import JAX_ALLOCATOR_VARIABLE, use_gpu_allocator
+from shiftjax.serving.engine.page_budget import device_memory
 
 
 def test_unknown_allocator_is_refused():
@@ -87,7 +87,7 @@ def test_vmm_is_set_before_the_backends_start_and_refused_after():
     refused once a device has been touched."""
     script = f"""
 import os, jax
-from shiftjax.serving.gpu_allocator import use_gpu_allocator
+from shiftjax.serving.engine.xla_allocator import use_gpu_allocator
 use_gpu_allocator("vmm")
 print("set", os.environ["{JAX_ALLOCATOR_VARIABLE}"])
 jax.devices()

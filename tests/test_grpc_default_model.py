@@ -14,9 +14,9 @@ import json
 import grpc
 import pytest
 
-from shiftjax.serving.client import AsyncClient, Client
+from shiftjax.serving.client.grpc_client import AsyncClient, Client
 from shiftjax.serving.proto.shiftjax.v1 import inference_pb2 as pb
-from shiftjax.serving.sampling_params import SamplingParams
+from shiftjax.serving.engine.sampling_params import SamplingParams
 from loopback import free_port, wait_for
 
 pytestmark = pytest.mark.slow
@@ -36,9 +36,9 @@ def distinct_prompt(i: int) -> list[int]:
 @pytest.fixture(scope="module")
 def served():
     from grpc_harness import ServerThread
-    from shiftjax.serving.http_server import create_app, uvicorn_server
-    from shiftjax.serving.llm import LLM
-    from shiftjax.serving.service import AsyncEngineService
+    from shiftjax.serving.server.http_server import create_app, uvicorn_server
+    from shiftjax.serving.engine.llm import LLM
+    from shiftjax.serving.server.service import AsyncEngineService
 
     llm = LLM("default", sp=2, tp=2, **ENGINE)
     greedy = SamplingParams(max_tokens=8)

@@ -9,10 +9,10 @@ from test_service import CONFIG, CharTokenizer
 
 from shiftjax.layouts.mesh import make_mesh
 from shiftjax.params import random_params
-from shiftjax.serving.client import AsyncClient
-from shiftjax.serving.engine import Engine, EngineConfig
-from shiftjax.serving.sampling_params import SamplingParams
-from shiftjax.serving.service import AsyncEngineService
+from shiftjax.serving.client.grpc_client import AsyncClient
+from shiftjax.serving.engine.core import Engine, EngineConfig
+from shiftjax.serving.engine.sampling_params import SamplingParams
+from shiftjax.serving.server.service import AsyncEngineService
 from shiftjax.weights import shard_params
 
 # 6 requests x (40 prompt + 20 output) tokens need 90 pages of 4 together; the pool has 31.

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_harness import FakeEngineService, ServerThread, expected_output
 from shiftjax.checkpoints.default_model import default_model_path
 from shiftjax.checkpoints.tokenizer import Tokenizer
-from shiftjax.serving.client import Client
+from shiftjax.serving.client.grpc_client import Client
 from shiftjax.serving.proto.shiftjax.v1 import inference_pb2 as pb
 from loopback import wait_for
 
@@ -160,7 +160,7 @@ def test_cancelling_mid_stream_frees_the_pages_at_once(client, fake):
 
 def test_a_client_process_killed_mid_stream_frees_the_pages_at_once(server, fake):
     """A disconnect without a goodbye: the client process dies (SIGKILL) while streaming."""
-    code = ("import sys; from shiftjax.serving.client import Client\n"
+    code = ("import sys; from shiftjax.serving.client.grpc_client import Client\n"
             f"stream = Client({server.address!r}).generate(prompt_ids=[6], max_tokens=400)\n"
             "next(stream); print('streaming', flush=True); sys.stdin.read()")
     child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -205,7 +205,7 @@ def test_deadline_exceeded_is_the_services_word_not_the_clocks(tokenizer, cancel
     DeadlineExceeded alone."""
     import asyncio
 
-    from shiftjax.serving.grpc_server import InferenceServicer
+    from shiftjax.serving.server.grpc_server import InferenceServicer
 
     fake = FakeEngineService(tokenizer)
     context = _PastDeadlineContext()

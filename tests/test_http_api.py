@@ -6,8 +6,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from http_fake_service import EOS, REPLY, FakeService, logprob_of
-from shiftjax.serving.http_server import create_app
-from shiftjax.serving.metrics import Metrics
+from shiftjax.serving.server.http_server import create_app
+from shiftjax.serving.server.metrics import Metrics
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
 CHAT_PROMPT = "[system]Be brief.\n[user]hi\n[assistant]"
@@ -338,7 +338,7 @@ def test_token_bytes_of_a_byte_level_tokenizer():
     join into the character's UTF-8 (what OpenAI's ``bytes`` field is for)."""
     from shiftjax.checkpoints.default_model import default_model_path
     from shiftjax.checkpoints.load import load_tokenizer
-    from shiftjax.serving.openai_schema import TokenText
+    from shiftjax.serving.server.openai_schema import TokenText
 
     tokenizer = load_tokenizer(default_model_path())
     text = "héllo wörld ✓ 日本 <|im_end|>"

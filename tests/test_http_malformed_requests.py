@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from http_fake_service import FakeService
-from shiftjax.serving.http_server import create_app
+from shiftjax.serving.server.http_server import create_app
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 300), st.integers(),
                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8))

@@ -10,7 +10,7 @@ import pytest
 
 from http_fake_service import REPLY, FakeService, logprob_of
 from http_live_server import live_server
-from shiftjax.serving.http_server import create_app
+from shiftjax.serving.server.http_server import create_app
 from loopback import wait_for
 
 KEY = "test-key"

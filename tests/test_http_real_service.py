@@ -11,8 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from http_live_server import live_server
-from shiftjax.serving.http_server import create_app
-from shiftjax.serving.metrics import Metrics
+from shiftjax.serving.server.http_server import create_app
+from shiftjax.serving.server.metrics import Metrics
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 QUESTION = "What is the capital of France?"
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 def served():
     import shiftjax
     from shiftjax import SamplingParams
-    from shiftjax.serving.service import AsyncEngineService
+    from shiftjax.serving.server.service import AsyncEngineService
 
     # Small buckets keep the ahead-of-time compilation short on a CPU; the threshold makes
     # single decodes run TP and prefills SP, so both modes serve.

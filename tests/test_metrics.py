@@ -5,8 +5,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shiftjax.serving.metrics import Metrics, start_metrics_server
-from shiftjax.serving.protocol import EngineObserver, ServiceStats, Usage
+from shiftjax.serving.server.metrics import Metrics, start_metrics_server
+from shiftjax.serving.server.protocol import EngineObserver, ServiceStats, Usage
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:

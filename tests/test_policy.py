@@ -1,4 +1,4 @@
-"""The shift policy: which mode runs a step of a given bucket (serving/policy.py).
+"""The shift policy: which mode runs a step of a given bucket (serving/engine/policy.py).
 
 ``test_the_threshold_check_rejects_a_policy_that_ignores_it`` keeps the proof that the
 threshold check can fail: a policy that picks by measured time and ignores the threshold
@@ -7,7 +7,7 @@ is rejected by it.
 
 import pytest
 
-from shiftjax.serving.policy import ShiftPolicy
+from shiftjax.serving.engine.policy import ShiftPolicy
 
 MODES = ("tp", "sp")
 BUCKETS = [(4, 1), (16, 4), (64, 4), (256, 8)]

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from shiftjax.serving.bench import simulate as sim
-from shiftjax.serving.executables import BucketLadder
-from shiftjax.serving.policy import ShiftPolicy
-from shiftjax.serving.scheduler import SchedulerConfig
+from shiftjax.serving.engine.executables import BucketLadder
+from shiftjax.serving.engine.policy import ShiftPolicy
+from shiftjax.serving.engine.scheduler import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -230,7 +230,7 @@ def test_data_parallel_routes_by_the_tokens_each_replica_still_owes():
 
 
 def test_routed_load_accounting_by_hand():
-    from shiftjax.serving.data_parallel import RoutedLoad, replica_loads
+    from shiftjax.serving.server.data_parallel import RoutedLoad, replica_loads
 
     a, b, unplaced = RoutedLoad(0, 100, 50), RoutedLoad(1, 60, 3), RoutedLoad(-1, 5, 5)
     assert replica_loads([a, b, unplaced], 2) == ([150, 63], [1, 1])

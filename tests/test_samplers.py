@@ -14,8 +14,8 @@ from shiftjax.config import ModelConfig
 from shiftjax.layouts.mesh import make_mesh
 from shiftjax.params import random_params
 from shiftjax.sampling import pack_samples
-from shiftjax.serving.executables import BucketLadder, place_upload, to_device
-from shiftjax.serving.samplers import Samplers, needs_sampler
+from shiftjax.serving.engine.executables import BucketLadder, place_upload, to_device
+from shiftjax.serving.engine.sampler_executables import Samplers, needs_sampler
 from shiftjax.steps import make_step, params_for
 from shiftjax.weights import shard_params
 

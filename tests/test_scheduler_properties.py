@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shiftjax.serving.sampling_params import SamplingParams
-from shiftjax.serving.scheduler import Scheduler, SchedulerConfig
+from shiftjax.serving.engine.sampling_params import SamplingParams
+from shiftjax.serving.engine.scheduler import Scheduler, SchedulerConfig
 
 
 def fake_token(tokens: list[int]) -> int:
@@ -152,7 +152,7 @@ def run_on_stand_in_device(step, previous, cache, page_size, truth) -> list[int]
 
 
 def test_token_slice_equals_slicing_the_whole_list():
-    from shiftjax.serving.scheduler import Request
+    from shiftjax.serving.engine.scheduler import Request
 
     request = Request(0, [1, 2, 3, 4, 5], SamplingParams(), (), output_ids=[6, 7, 8])
     for first in range(10):

@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from shiftjax.serving.client import Client
+from shiftjax.serving.client.grpc_client import Client
 from loopback import free_port
 
 pytestmark = pytest.mark.slow

@@ -16,12 +16,12 @@ import pytest
 from shiftjax.config import ModelConfig
 from shiftjax.layouts.mesh import make_mesh
 from shiftjax.params import random_params
-from shiftjax.serving.engine import Engine, EngineConfig
-from shiftjax.serving.errors import DeadlineExceeded, InvalidRequest, Overloaded, RequestFailed, Unavailable
-from shiftjax.serving.executables import JaxCompileEvents
-from shiftjax.serving.protocol import GenerationRequest
-from shiftjax.serving.sampling_params import SamplingParams
-from shiftjax.serving.service import FAILED_STEPS_BEFORE_UNHEALTHY, AsyncEngineService
+from shiftjax.serving.engine.core import Engine, EngineConfig
+from shiftjax.serving.engine.errors import DeadlineExceeded, InvalidRequest, Overloaded, RequestFailed, Unavailable
+from shiftjax.serving.engine.executables import JaxCompileEvents
+from shiftjax.serving.server.protocol import GenerationRequest
+from shiftjax.serving.engine.sampling_params import SamplingParams
+from shiftjax.serving.server.service import FAILED_STEPS_BEFORE_UNHEALTHY, AsyncEngineService
 from shiftjax.weights import shard_params
 
 CONFIG = ModelConfig(architecture="llama", vocab_size=96, hidden_size=32, intermediate_size=64,

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from shiftjax.serving.token_fills import take_sampled_tokens, take_sampled_tokens_reference
+from shiftjax.serving.engine.token_fills import take_sampled_tokens, take_sampled_tokens_reference
 
 
 @pytest.mark.parametrize("tokens,previous_rows", [(1, 1), (4, 4), (16, 4), (64, 64)])

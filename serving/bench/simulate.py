@@ -1,9 +1,9 @@
 """A workload replayed through the real scheduler and shift policy in simulated time.
 
-No model runs. Each step is scheduled by :class:`~shiftjax.serving.scheduler.Scheduler`
+No model runs. Each step is scheduled by :class:`~shiftjax.serving.engine.scheduler.Scheduler`
 (token budget, decodes first, chunked prefill, pages, preemption), padded to a bucket of
-the engine's :class:`~shiftjax.serving.executables.BucketLadder`, given a mode by
-:class:`~shiftjax.serving.policy.ShiftPolicy` exactly as ``Engine.run_step`` does, and
+the engine's :class:`~shiftjax.serving.engine.executables.BucketLadder`, given a mode by
+:class:`~shiftjax.serving.engine.policy.ShiftPolicy` exactly as ``Engine.run_step`` does, and
 then takes the seconds a step-time model says it takes; its sampled tokens are committed
 to their requests at the step's end. Arrivals join the waiting queue at their timestamps
 and are seen by the next ``schedule()``, as in the engine loop. The records are timed as
@@ -12,7 +12,7 @@ the bench client times a streamed request (every sampled token is one chunk), so
 vLLM's definitions.
 
 Data parallelism is ``replicas`` independent schedulers, each with its own clock, and each
-arrival goes to the replica :func:`~shiftjax.serving.data_parallel.pick_replica` picks from
+arrival goes to the replica :func:`~shiftjax.serving.server.data_parallel.pick_replica` picks from
 its queued tokens (prompt tokens until the first output token, plus output tokens still
 owed), as ``shiftjax serve --dp`` routes.
 
@@ -35,11 +35,11 @@ from collections.abc import Callable, Sequence
 
 from shiftjax.serving.bench.metrics import RequestRecord, summarize
 from shiftjax.serving.bench.workloads import read_trace, window_trace
-from shiftjax.serving.data_parallel import RoutedLoad, pick_replica, replica_loads
-from shiftjax.serving.executables import BucketLadder
-from shiftjax.serving.policy import ShiftPolicy
-from shiftjax.serving.sampling_params import SamplingParams
-from shiftjax.serving.scheduler import QueueFull, Scheduler, SchedulerConfig
+from shiftjax.serving.server.data_parallel import RoutedLoad, pick_replica, replica_loads
+from shiftjax.serving.engine.executables import BucketLadder
+from shiftjax.serving.engine.policy import ShiftPolicy
+from shiftjax.serving.engine.sampling_params import SamplingParams
+from shiftjax.serving.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
 
 # (mode, padded tokens, padded seqs, [(query tokens, seq_len after the step) per real sequence]) -> seconds
 StepSeconds = Callable[[str, int, int, list[tuple[int, int]]], float]

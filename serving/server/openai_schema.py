@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from shiftjax.serving.errors import InvalidRequest
-from shiftjax.serving.protocol import TokenLogprob
-from shiftjax.serving.sampling_params import SamplingParams
+from shiftjax.serving.engine.errors import InvalidRequest
+from shiftjax.serving.server.protocol import TokenLogprob
+from shiftjax.serving.engine.sampling_params import SamplingParams
 
 # The OpenAI API's default for /v1/completions when max_tokens is not given.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from shiftjax.serving.protocol import ServiceStats, Usage
+from shiftjax.serving.server.protocol import ServiceStats, Usage
 
 PREFIX = "shiftjax"
 log = logging.getLogger(__name__)

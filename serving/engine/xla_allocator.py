@@ -13,7 +13,7 @@ default stays the default.
 JAX reads the choice from ``XLA_PYTHON_CLIENT_ALLOCATOR`` when it registers its GPU plugin
 and creates the client, so it must be made before anything touches a device; CPUs ignore
 it. The VMM allocator keeps no memory statistics (``memory_stats()`` is None), so the KV
-cache is sized from what the CUDA driver says is free (``serving/cuda_memory.py``).
+cache is sized from what the CUDA driver says is free (``serving/engine/cuda_free_memory.py``).
 """
 
 from __future__ import annotations

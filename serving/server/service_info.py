@@ -6,8 +6,8 @@ import dataclasses
 
 import jax
 
-from shiftjax.serving.engine import Engine
-from shiftjax.serving.protocol import ServiceStats
+from shiftjax.serving.engine.core import Engine
+from shiftjax.serving.server.protocol import ServiceStats
 
 
 def service_info(engine: Engine, model_name: str, stats: ServiceStats) -> dict:

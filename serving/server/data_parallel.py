@@ -60,8 +60,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 
-from shiftjax.serving.errors import InvalidRequest, Overloaded, Unavailable
-from shiftjax.serving.protocol import Delta, GenerationRequest, ServiceStats
+from shiftjax.serving.engine.errors import InvalidRequest, Overloaded, Unavailable
+from shiftjax.serving.server.protocol import Delta, GenerationRequest, ServiceStats
 
 
 @dataclasses.dataclass(eq=False)

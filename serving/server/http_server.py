@@ -2,7 +2,7 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server-sent
 events with ``stream: true``), ``GET /v1/models``, ``GET /health`` (200 when ready, 503
-while starting or draining) and, when given a :class:`~shiftjax.serving.metrics.Metrics`,
+while starting or draining) and, when given a :class:`~shiftjax.serving.server.metrics.Metrics`,
 ``GET /metrics``. With an ``api_key`` every ``/v1`` route needs
 ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open for load balancers
 and scrapers, as in vLLM.
@@ -30,12 +30,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from shiftjax.serving import openai_schema as schema
-from shiftjax.serving.errors import InvalidRequest, Overloaded, RequestFailed, Unavailable
-from shiftjax.serving.metrics import Metrics
-from shiftjax.serving.protocol import Delta, GenerationRequest, prompt_ids_or_error
-from shiftjax.serving.sampling_params import SamplingParams
-from shiftjax.serving.http_streams import PromptStreams, Totals
+from shiftjax.serving.server import openai_schema as schema
+from shiftjax.serving.engine.errors import InvalidRequest, Overloaded, RequestFailed, Unavailable
+from shiftjax.serving.server.metrics import Metrics
+from shiftjax.serving.server.protocol import Delta, GenerationRequest, prompt_ids_or_error
+from shiftjax.serving.engine.sampling_params import SamplingParams
+from shiftjax.serving.server.http_streams import PromptStreams, Totals
 
 log = logging.getLogger(__name__)
 

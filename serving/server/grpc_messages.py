@@ -10,11 +10,11 @@ import dataclasses
 import json
 import time
 
-from shiftjax.serving.errors import InvalidRequest
+from shiftjax.serving.engine.errors import InvalidRequest
 from shiftjax.serving.proto.shiftjax.v1 import inference_pb2 as pb
-from shiftjax.serving.protocol import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Delta, GenerationRequest,
+from shiftjax.serving.server.protocol import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Delta, GenerationRequest,
                                        ServiceStats)
-from shiftjax.serving.sampling_params import SamplingParams
+from shiftjax.serving.engine.sampling_params import SamplingParams
 
 FINISH_REASON = {FINISH_STOP: pb.FINISH_REASON_STOP, FINISH_LENGTH: pb.FINISH_REASON_LENGTH,
                  FINISH_ABORT: pb.FINISH_REASON_ABORT}
@@ -101,7 +101,7 @@ def response_from(delta: Delta) -> pb.GenerateResponse:
 
 
 def server_info_from(info: dict, stats: ServiceStats) -> pb.ServerInfoResponse:
-    """``info`` is ``service.info()`` (its layout: serving/service_info.py); fields it lacks
+    """``info`` is ``service.info()`` (its layout: serving/server/service_info.py); fields it lacks
     stay at their zero values, and the whole of it travels as JSON in ``info_json``."""
     buckets, pool, policy = info.get("buckets", {}), info.get("page_pool", {}), info.get("policy", {})
     startup, limits = info.get("startup", {}), info.get("limits", {})

@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _client(args):
-    from shiftjax.serving.client import Client
+    from shiftjax.serving.client.grpc_client import Client
 
     api_key = args.api_key_file.read_text().strip() if args.api_key_file else None
     root = args.tls_ca.read_bytes() if args.tls_ca else None
@@ -62,7 +62,7 @@ def _sampling_fields(args) -> dict:
 def _stream(responses, as_json: bool) -> int:
     from google.protobuf.json_format import MessageToDict
 
-    from shiftjax.serving.client import Completion
+    from shiftjax.serving.client.grpc_client import Completion
 
     completion = Completion()
     for response in responses:

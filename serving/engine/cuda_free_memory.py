@@ -1,7 +1,7 @@
 """Free and total memory of a CUDA device, from the driver (``cuMemGetInfo``).
 
 JAX's device memory statistics come from its allocator, and XLA's VMM allocator keeps none
-(``memory_stats()`` is None; ``serving/gpu_allocator.py``), so the KV cache could not be
+(``memory_stats()`` is None; ``serving/engine/xla_allocator.py``), so the KV cache could not be
 sized from memory under it. The driver knows what every allocator has taken: it is asked
 through the device's primary context, the one XLA itself runs in, so asking creates nothing.
 """

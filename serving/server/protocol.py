@@ -12,8 +12,8 @@ import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
-from shiftjax.serving.errors import DeadlineExceeded, InvalidRequest, Overloaded, RequestFailed, Unavailable
-from shiftjax.serving.sampling_params import SamplingParams
+from shiftjax.serving.engine.errors import DeadlineExceeded, InvalidRequest, Overloaded, RequestFailed, Unavailable
+from shiftjax.serving.engine.sampling_params import SamplingParams
 
 __all__ = ["DeadlineExceeded", "InvalidRequest", "Overloaded", "RequestFailed", "Unavailable"]  # re-exported
 

@@ -28,13 +28,13 @@ import jax
 
 from shiftjax.cache import CacheConfig, allocate_cache
 from shiftjax.kernels.collectives import ALL_REDUCES, ALL_TO_ALLS, DEFAULT_CAPACITY_BYTES, setup_one_shot
-from shiftjax.serving import executables as exe
-from shiftjax.serving import page_pool
-from shiftjax.serving.executable_store import ExecutableStore
-from shiftjax.serving.policy import ShiftPolicy
-from shiftjax.serving.samplers import Samplers, needs_sampler
-from shiftjax.serving.sampling_params import SamplingParams
-from shiftjax.serving.scheduler import Request, ScheduledStep, Scheduler, SchedulerConfig
+from shiftjax.serving.engine import executables as exe
+from shiftjax.serving.engine import page_budget as page_pool
+from shiftjax.serving.engine.executable_store import ExecutableStore
+from shiftjax.serving.engine.policy import ShiftPolicy
+from shiftjax.serving.engine.sampler_executables import Samplers, needs_sampler
+from shiftjax.serving.engine.sampling_params import SamplingParams
+from shiftjax.serving.engine.scheduler import Request, ScheduledStep, Scheduler, SchedulerConfig
 from shiftjax.steps import params_for
 from shiftjax.weights import ModelWeights
 

@@ -19,9 +19,9 @@ import numpy as np
 
 from shiftjax.batch import StepBatch
 from shiftjax.sampling import pack_samples
-from shiftjax.serving.batch_upload import abstract_upload, unpack_sequences
-from shiftjax.serving.executable_store import ExecutableStore, sampler_key
-from shiftjax.serving.executables import (BucketLadder, JaxCompileEvents, batch_sharding, pad_result,
+from shiftjax.serving.engine.batch_upload import abstract_upload, unpack_sequences
+from shiftjax.serving.engine.executable_store import ExecutableStore, sampler_key
+from shiftjax.serving.engine.executables import (BucketLadder, JaxCompileEvents, batch_sharding, pad_result,
                                           place_replicated)
 from shiftjax.weights import ModelWeights
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from shiftjax.serving.errors import InvalidRequest
+from shiftjax.serving.engine.errors import InvalidRequest
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as the OpenAI API allows
 MAX_STOP_STRINGS = 16

@@ -19,11 +19,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from shiftjax.serving import grpc_messages as messages
-from shiftjax.serving.errors import DeadlineExceeded, InvalidRequest, Overloaded, RequestFailed, Unavailable
+from shiftjax.serving.server import grpc_messages as messages
+from shiftjax.serving.engine.errors import DeadlineExceeded, InvalidRequest, Overloaded, RequestFailed, Unavailable
 from shiftjax.serving.proto.shiftjax.v1 import inference_pb2 as pb
 from shiftjax.serving.proto.shiftjax.v1 import inference_pb2_grpc as pb_grpc
-from shiftjax.serving.protocol import FINISH_ERROR
+from shiftjax.serving.server.protocol import FINISH_ERROR
 
 log = logging.getLogger("shiftjax.serving.grpc")
 

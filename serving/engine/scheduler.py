@@ -21,8 +21,8 @@ import itertools
 import numpy as np
 
 from shiftjax.batch import SAMPLING_FIELDS, StepBatch, empty_batch
-from shiftjax.serving.allocator import OutOfPages, PageAllocator
-from shiftjax.serving.sampling_params import SamplingParams
+from shiftjax.serving.engine.page_allocator import OutOfPages, PageAllocator
+from shiftjax.serving.engine.sampling_params import SamplingParams
 
 
 class QueueFull(Exception):

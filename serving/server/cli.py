@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from shiftjax.serving.gpu_allocator import GPU_ALLOCATORS, use_gpu_allocator
+from shiftjax.serving.engine.xla_allocator import GPU_ALLOCATORS, use_gpu_allocator
 
 log = logging.getLogger("shiftjax.serve")
 
@@ -40,7 +40,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpu-allocator", choices=GPU_ALLOCATORS, default="default",
                        help="JAX's GPU memory allocator: default (BFC), or vmm, under which XLA stopped "
                             "re-recording every CUDA graph of a step in stretches of decode steps "
-                            "(serving/gpu_allocator.py); under vmm the KV cache is sized from the "
+                            "(serving/engine/xla_allocator.py); under vmm the KV cache is sized from the "
                             "driver's free memory")
     group.add_argument("--dp", type=int, default=1, metavar="P",
                        help="data parallel: P engines of one device each (devices 0..P-1) behind this one endpoint, "
@@ -48,7 +48,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from shiftjax.serving.engine_args import add_engine_arguments
+    from shiftjax.serving.engine.engine_args import add_engine_arguments
 
     parser = argparse.ArgumentParser(prog="shiftjax serve", description="Serve a model over gRPC (and HTTP).")
     add_engine_arguments(parser)
@@ -57,9 +57,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _build_service(args, observer):
-    """The integration point with serving/engine_args.py: the engine service the parsed
+    """The integration point with serving/server/service_args.py: the engine service the parsed
     engine options describe, with ``observer`` receiving its events. Runs on a thread."""
-    from shiftjax.serving.engine_args import build_data_parallel_service, build_service
+    from shiftjax.serving.server.service_args import build_data_parallel_service, build_service
 
     if args.dp > 1:
         return build_data_parallel_service(args, observer=observer)
@@ -81,7 +81,7 @@ def _read_secrets(parser, args) -> tuple[tuple[bytes, bytes] | None, str | None]
 
 
 def serve_main(argv: list[str]) -> int:
-    from shiftjax.serving.engine_args import data_parallel_error
+    from shiftjax.serving.server.service_args import data_parallel_error
 
     parser = _parser()
     args = parser.parse_args(argv)
@@ -101,8 +101,8 @@ def serve_main(argv: list[str]) -> int:
 
 
 async def _serve(args, tls, api_key) -> int:
-    from shiftjax.serving.grpc_server import GrpcServer
-    from shiftjax.serving.metrics import Metrics
+    from shiftjax.serving.server.grpc_server import GrpcServer
+    from shiftjax.serving.server.metrics import Metrics
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -133,7 +133,7 @@ async def _serve(args, tls, api_key) -> int:
 
     http_server = http_task = metrics_server = None
     if args.http_port is not None:
-        from shiftjax.serving.http_server import create_app, uvicorn_server
+        from shiftjax.serving.server.http_server import create_app, uvicorn_server
 
         app = create_app(service, model_name=service.model_name, api_key=api_key,
                          metrics=metrics)
@@ -146,7 +146,7 @@ async def _serve(args, tls, api_key) -> int:
             raise OSError(f"cannot serve HTTP on {args.host}:{args.http_port}")
         log.info("serving OpenAI-compatible HTTP on http://%s:%d/v1", args.host, args.http_port)
     if args.metrics_port is not None:
-        from shiftjax.serving.metrics import start_metrics_server
+        from shiftjax.serving.server.metrics import start_metrics_server
 
         metrics_server, _ = start_metrics_server(metrics, args.metrics_port, args.host)
         log.info("serving Prometheus metrics on http://%s:%d/metrics", args.host, metrics_server.server_port)
@@ -198,7 +198,7 @@ async def _ready_or_stop(service, stop: asyncio.Event) -> bool:
 
 
 def _log_startup(service, seconds: float) -> None:
-    info = service.info()  # layout: serving/service_info.py
+    info = service.info()  # layout: serving/server/service_info.py
     mesh, pool, startup = info.get("mesh", {}), info.get("page_pool", {}), info.get("startup", {})
     where = (f"{mesh['dp']} data-parallel replicas of one {mesh.get('platform')} device each" if mesh.get("dp")
              else f"an sp {mesh.get('sp')} x tp {mesh.get('tp')} mesh of {mesh.get('devices')} {mesh.get('platform')} "

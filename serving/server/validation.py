@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from shiftjax.serving.engine import Engine
-from shiftjax.serving.errors import InvalidRequest
-from shiftjax.serving.protocol import GenerationRequest, prompt_ids_or_error
-from shiftjax.serving.sampling_params import SamplingParams
+from shiftjax.serving.engine.core import Engine
+from shiftjax.serving.engine.errors import InvalidRequest
+from shiftjax.serving.server.protocol import GenerationRequest, prompt_ids_or_error
+from shiftjax.serving.engine.sampling_params import SamplingParams
 
 
 def validate_request(engine: Engine, request) -> None:

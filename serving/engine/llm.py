@@ -12,10 +12,10 @@ import jax
 from shiftjax.checkpoints.default_model import default_model_path
 from shiftjax.checkpoints.load import load_tokenizer, load_weights, tokenizer_path_for
 from shiftjax.layouts.mesh import make_mesh
-from shiftjax.serving.detokenizer import IncrementalDetokenizer
-from shiftjax.serving.engine import Engine, EngineConfig
-from shiftjax.serving.sampling_params import SamplingParams
-from shiftjax.serving.scheduler import Request
+from shiftjax.serving.engine.detokenizer import IncrementalDetokenizer
+from shiftjax.serving.engine.core import Engine, EngineConfig
+from shiftjax.serving.engine.sampling_params import SamplingParams
+from shiftjax.serving.engine.scheduler import Request
 
 
 @dataclasses.dataclass

@@ -6,9 +6,9 @@ import asyncio
 import dataclasses
 import time
 
-from shiftjax.serving.detokenizer import IncrementalDetokenizer
-from shiftjax.serving.protocol import GenerationRequest, Usage
-from shiftjax.serving.scheduler import Request
+from shiftjax.serving.engine.detokenizer import IncrementalDetokenizer
+from shiftjax.serving.server.protocol import GenerationRequest, Usage
+from shiftjax.serving.engine.scheduler import Request
 
 
 @dataclasses.dataclass(eq=False)

@@ -1,5 +1,6 @@
 """The engine options ``shiftjax generate`` and ``shiftjax serve`` share, and what builds
-an engine, an offline :class:`LLM` or an :class:`AsyncEngineService` from them.
+an engine or an offline :class:`LLM` from them (the service builders are
+``serving/server/service_args.py``).
 
 JAX is configured here, from arguments, before anything compiles: the platform (virtual
 CPU devices), a multi-process mesh, and the persistent compilation cache (through
@@ -13,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from shiftjax.serving.policy import POLICIES
+from shiftjax.serving.engine.policy import POLICIES
 
 LOAD_FORMATS = ("orbax", "dummy")
 
@@ -21,7 +22,7 @@ LOAD_FORMATS = ("orbax", "dummy")
 def default_compilation_cache_dir() -> Path:
     """``<repo>/.cache/shiftjax/xla`` when shiftjax runs from its source tree, else the same
     path under the current directory (as the default model's cache)."""
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     root = repo if (repo / "pyproject.toml").is_file() else Path.cwd()
     return root / ".cache" / "shiftjax" / "xla"
 
@@ -96,7 +97,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--no-compilation-cache", action="store_true", help="compile everything at every start")
     parser.add_argument("--executable-store", action="store_true",
                         help="also keep the compiled steps in DIR/executables, so that a warm start neither "
-                             "traces nor lowers them (serving/executable_store.py; one process only)")
+                             "traces nor lowers them (serving/engine/executable_store.py; one process only)")
 
 
 def _id_list(text: str) -> tuple[int, ...]:
@@ -149,81 +150,8 @@ def stderr_report(message: str) -> None:
 def build_llm(args: argparse.Namespace, *, report=stderr_report, devices=None):
     """An offline :class:`LLM` as the arguments describe (call :func:`configure_jax` first);
     ``devices``: the mesh's devices (default: the first ``sp * tp``)."""
-    from shiftjax.serving.llm import LLM
+    from shiftjax.serving.engine.llm import LLM
 
     return LLM(args.model, sp=args.sp, tp=args.tp, dtype=args.dtype, weight_storage=args.weight_storage,
                load_format=args.load_format, tokenizer=args.tokenizer, report=report, devices=devices,
                **engine_options(args))
-
-
-def build_service(args: argparse.Namespace, *, observer=None, report=stderr_report):
-    """An :class:`AsyncEngineService` as the arguments describe. Configures JAX, then
-    returns at once: weights load and executables compile on the service's engine thread
-    (``service.ready`` / ``wait_ready()``; ``info()`` then says what was built)."""
-    from shiftjax.checkpoints.load import load_tokenizer, tokenizer_path_for
-    from shiftjax.serving.service import AsyncEngineService
-
-    configure_jax(args)
-    tokenizer = load_tokenizer(tokenizer_path_for(args.model, args.load_format, args.tokenizer))
-
-    def build_engine():
-        llm = build_llm(args, report=report)
-        return llm.engine
-
-    name = "default" if args.model == "default" else Path(args.model).name
-    return AsyncEngineService(build_engine, tokenizer, model_name=name, observer=observer,
-                              details={"load_format": args.load_format, "dtype": args.dtype,
-                                       "weight_storage": args.weight_storage})
-
-
-def data_parallel_error(args: argparse.Namespace) -> str | None:
-    """Why ``--dp`` cannot run with the other arguments, or None: one check for the command
-    line (a usage error) and for :func:`build_data_parallel_service` (a RuntimeError)."""
-    if args.dp < 1:
-        return f"--dp must be at least 1, got {args.dp}"
-    if args.dp > 1 and args.sp * args.tp != 1:
-        return (f"--dp {args.dp} runs engines of one device each and cannot be combined with "
-                f"--sp {args.sp} --tp {args.tp}; give --sp 1 --tp 1 (or drop --dp for one sp x tp engine)")
-    if args.dp > 1 and args.num_processes != 1:
-        return "--dp runs its engines in one process; drop --num-processes/--coordinator"
-    return None
-
-
-def build_data_parallel_service(args: argparse.Namespace, *, observer=None, report=stderr_report):
-    """``--dp P``: a :class:`DataParallelService` over P :class:`AsyncEngineService`
-    replicas, replica ``i`` on ``jax.devices()[i]`` alone, each with the same engine
-    options and a page pool of its own (``--num-pages`` is per replica). Returns at once;
-    the replicas load and compile at the same time, each on its own engine thread."""
-    import jax
-
-    from shiftjax.checkpoints.load import load_tokenizer, tokenizer_path_for
-    from shiftjax.serving.data_parallel import DataParallelService, StartupSummer
-    from shiftjax.serving.service import AsyncEngineService
-
-    if error := data_parallel_error(args):
-        raise RuntimeError(error)
-    configure_jax(args)
-    devices = jax.devices()
-    if len(devices) < args.dp:
-        raise RuntimeError(f"--dp {args.dp} needs {args.dp} devices but JAX sees {len(devices)} "
-                           f"({devices[0].platform}); lower --dp, or on the CPU give --cpu-devices {args.dp}")
-    tokenizer = load_tokenizer(tokenizer_path_for(args.model, args.load_format, args.tokenizer))
-    summed = StartupSummer(observer) if observer is not None else None
-    if args.compile_workers is None:  # the replicas compile at the same time: share the CPUs
-        from shiftjax.serving.executables import compile_workers
-
-        workers = max(1, compile_workers(devices[0].platform, args.gemm) // args.dp)
-        args = argparse.Namespace(**{**vars(args), "compile_workers": workers})
-
-    def build_engine(index: int):
-        def replica_report(message: str) -> None:
-            report(f"replica {index} ({devices[index]}): {message}")
-
-        return lambda: build_llm(args, report=replica_report, devices=[devices[index]]).engine
-
-    name = "default" if args.model == "default" else Path(args.model).name
-    details = {"load_format": args.load_format, "dtype": args.dtype, "weight_storage": args.weight_storage}
-    replicas = [AsyncEngineService(build_engine(i), tokenizer, model_name=name, observer=summed, details=details)
-                for i in range(args.dp)]
-    return DataParallelService(replicas, tokenizer, model_name=name,
-                               devices=[str(devices[i]) for i in range(args.dp)])

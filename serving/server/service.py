@@ -27,11 +27,11 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Callable
 
-from shiftjax.serving.detokenizer import IncrementalDetokenizer
-from shiftjax.serving.engine import Engine, StepFailed, StepReport
-from shiftjax.serving.errors import DeadlineExceeded, InvalidRequest, Overloaded, RequestFailed, Unavailable
-from shiftjax.serving.live_request import LiveRequest
-from shiftjax.serving.protocol import (
+from shiftjax.serving.engine.detokenizer import IncrementalDetokenizer
+from shiftjax.serving.engine.core import Engine, StepFailed, StepReport
+from shiftjax.serving.engine.errors import DeadlineExceeded, InvalidRequest, Overloaded, RequestFailed, Unavailable
+from shiftjax.serving.server.live_request import LiveRequest
+from shiftjax.serving.server.protocol import (
     FINISH_ABORT,
     FINISH_DEADLINE,
     FINISH_ERROR,
@@ -41,9 +41,9 @@ from shiftjax.serving.protocol import (
     ServiceStats,
     TokenLogprob,
 )
-from shiftjax.serving.scheduler import Request
-from shiftjax.serving.service_info import service_info
-from shiftjax.serving.validation import validate_request
+from shiftjax.serving.engine.scheduler import Request
+from shiftjax.serving.server.service_info import service_info
+from shiftjax.serving.server.validation import validate_request
 
 STEP_TRACE_STEPS = 20_000  # about a minute of steps at 3 ms each; a few MB of JSON at most
 # A device error that outlives the engine's recovery (a CUDA context lost to an Xid, or the

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 
 from shiftjax.cache import KVCache
 from shiftjax.layouts.specs import CACHE_SPEC
-from shiftjax.serving.cuda_memory import cuda_free_and_total
+from shiftjax.serving.engine.cuda_free_memory import cuda_free_and_total
 
 DEFAULT_KV_MEMORY_FRACTION = 0.9  # of what weights and temporaries leave; the rest is headroom
 

@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 
 import anyio
 
-from shiftjax.serving.errors import RequestFailed
-from shiftjax.serving.protocol import FINISH_ERROR, Delta, TokenLogprob, Usage
+from shiftjax.serving.engine.errors import RequestFailed
+from shiftjax.serving.server.protocol import FINISH_ERROR, Delta, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ from jaxtyping import Array, Int
 from shiftjax.batch import PER_SEQUENCE_FIELDS, PER_TOKEN_FIELDS, StepBatch, empty_batch
 from shiftjax.cache import KVCache
 from shiftjax.layouts.specs import REPLICATED
-from shiftjax.serving.batch_upload import BatchUpload, abstract_upload, pack_batch, unpack_batch
-from shiftjax.serving.executable_store import ExecutableStore, step_key, temporaries_key
-from shiftjax.serving.token_fills import take_sampled_tokens
+from shiftjax.serving.engine.batch_upload import BatchUpload, abstract_upload, pack_batch, unpack_batch
+from shiftjax.serving.engine.executable_store import ExecutableStore, step_key, temporaries_key
+from shiftjax.serving.engine.token_fills import take_sampled_tokens
 from shiftjax.steps import StepOutput, make_step, params_for
 from shiftjax.weights import ModelWeights
 
@@ -210,7 +210,7 @@ def compile_workers(platform: str, gemm: str = "cublas") -> int:
     of a ladder in 52.2 s against 123.2 s one at a time (x2_results.md, "GEMMs: cuBLAS or
     Triton", "cuBLAS by default"), so a quarter of the usable cores (each compile runs
     LLVM on several threads of its own). ``--dp`` replicas, which compile at the same time,
-    share them (engine_args.build_data_parallel_service)."""
+    share them (server.service_args.build_data_parallel_service)."""
     cpus = usable_cpus()
     if platform != "gpu":
         return cpus

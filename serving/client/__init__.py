@@ -1,0 +1,12 @@
+"""The gRPC clients and ``shiftjax client``. ``Client``, ``AsyncClient`` and ``Completion``
+load on first access (``grpc_client.py``), so importing this package imports no grpc."""
+
+import importlib
+
+_LAZY = {"Client", "AsyncClient", "Completion"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module("shiftjax.serving.client.grpc_client"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
