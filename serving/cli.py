@@ -111,8 +111,8 @@ def generate_main(argv: list[str]) -> int:
     summary = (f"mesh sp={args.sp} tp={args.tp} on {jax.devices()[0].platform}; load+compile "
                f"{ready - start:.1f} s ({len(executables.compiled)} executables compiled in "
                f"{llm.compile_seconds:.1f} s summed, {executables.cache_hits} from the compilation cache); "
-               f"generated {generated} tokens in {done - ready:.2f} s; steps {llm.engine.stats['steps']}, "
-               f"mode switches {llm.engine.stats['switches']}")
+               f"generated {generated} tokens in {done - ready:.2f} s; steps {llm.engine.snapshot().steps}, "
+               f"mode switches {llm.engine.snapshot().switches}")
     for completion in completions:
         if args.json:
             print(json.dumps(completion.to_json()))

@@ -120,7 +120,7 @@ def test_every_mode_gives_the_same_greedy_tokens(engines, tp_outputs, mode):
     assert all(len(r.output_ids) == 10 for r in requests)
     modes = [m for r in requests for m in r.modes]
     if mode == "alternate":
-        assert {"tp", "sp"} <= set(modes) and engine.stats["switches"] == engine.stats["steps"] - 1
+        assert {"tp", "sp"} <= set(modes) and engine.snapshot().switches == engine.snapshot().steps - 1
     compiled_modes = {m for m, _, _ in engine.executables.compiled}
     assert compiled_modes == ({"sp"} if mode == "sp" else {"tp", "sp"})  # a fixed mode compiles its own only
     if mode == "sp":

@@ -176,7 +176,7 @@ def test_cancel_close_and_deadline_free_pages_at_once(service):
 def test_a_stream_dropped_without_being_iterated_cancels_its_request(service):
     """An async generator that never started runs no ``finally`` when collected; the
     stream object cancels its request itself, so the pages come back."""
-    tokens_before = service.engine.stats["tokens"]
+    tokens_before = service.engine.snapshot().tokens
 
     async def main():
         stream = service.submit(GenerationRequest((1, 2, 3), SamplingParams(max_tokens=50, ignore_eos=True),
@@ -193,7 +193,7 @@ def test_a_stream_dropped_without_being_iterated_cancels_its_request(service):
     assert asyncio.run(main())
     assert not service.cancel("dropped")  # no longer live
     # aborted: not the 3 prompt + 49 decode tokens that running to its end takes
-    assert service.engine.stats["tokens"] - tokens_before < 3 + 49
+    assert service.engine.snapshot().tokens - tokens_before < 3 + 49
 
 
 @pytest.mark.parametrize("make,field", [

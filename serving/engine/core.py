@@ -35,6 +35,7 @@ from shiftjax.serving.engine.policy import ShiftPolicy
 from shiftjax.serving.engine.sampler_executables import Samplers, needs_sampler
 from shiftjax.serving.engine.sampling_params import SamplingParams
 from shiftjax.serving.engine.scheduler import Request, ScheduledStep, Scheduler, SchedulerConfig
+from shiftjax.serving.engine.stats import EngineSnapshot, StepCounters
 from shiftjax.steps import params_for
 from shiftjax.weights import ModelWeights
 
@@ -296,9 +297,7 @@ class Engine:
         self._last_launched: LaunchedStep | None = None  # the source of the next step's sampled tokens
         self._in_flight: LaunchedStep | None = None  # launched by advance, not yet finished
         self._last_finished = 0.0
-        self.stats = {"steps": 0, "switches": 0, "tokens": 0, "last_mode": None,
-                      "steps_by_mode": dict.fromkeys(self.modes, 0),
-                      "tokens_by_mode": dict.fromkeys(self.modes, 0)}
+        self.counters = StepCounters(self.modes)
 
     def _check_stored(self, ladder, store, report, compile_options) -> None:
         """Runs every executable the store supplied once, on an all-padding batch (it writes
@@ -475,7 +474,7 @@ class Engine:
         except BaseException:  # interrupted while waiting (a notebook's Ctrl-C): recompute
             self._start_over(new_caches=False)
             raise
-        switched = self._count(mode, scheduled.num_tokens)
+        switched = self.counters.count(mode, scheduled.num_tokens)
         finished = self.scheduler.commit(scheduled, result.tokens, result.logprobs, mode,
                                          result.top_ids, result.top_logprobs)
         now = time.perf_counter()
@@ -502,16 +501,24 @@ class Engine:
         """Ends ``request`` now and frees its pages (before the next schedule)."""
         self.scheduler.abort(request, reason)
 
-    def _count(self, mode: str, tokens: int) -> bool:
-        stats = self.stats
-        switched = stats["last_mode"] not in (None, mode)
-        stats["switches"] += switched
-        stats["steps"] += 1
-        stats["tokens"] += tokens
-        stats["steps_by_mode"][mode] += 1
-        stats["tokens_by_mode"][mode] += tokens
-        stats["last_mode"] = mode
-        return switched
+    @property
+    def has_work(self) -> bool:
+        """Whether any request is queued or running."""
+        return self.scheduler.has_work
+
+    @property
+    def limits(self) -> SchedulerConfig:
+        """The limits that run: ``max_num_batched_tokens`` and ``max_num_seqs`` as clamped to
+        the bucket ladder, the page pool as sized (not as configured)."""
+        return self.scheduler.config
+
+    def snapshot(self) -> EngineSnapshot:
+        scheduler, counters = self.scheduler, self.counters
+        return EngineSnapshot(
+            running=len(scheduler.running), waiting=len(scheduler.waiting), num_pages=self.num_pages - 1,
+            free_pages=scheduler.allocator.num_free, preemptions=scheduler.num_preemptions,
+            steps=counters.steps, switches=counters.switches, tokens=counters.tokens,
+            steps_by_mode=dict(counters.steps_by_mode), tokens_by_mode=dict(counters.tokens_by_mode))
 
     def run_until_done(self, requests: list[Request]) -> None:
         while not all(r.finished for r in requests):

@@ -183,13 +183,13 @@ class AsyncEngineService:
             return ServiceStats(running=0, waiting=len(self._inbox), num_pages=0, free_pages=0, steps=0,
                                 switches=0, preemptions=0, tokens_by_mode={}, steps_by_mode={},
                                 ready=False, draining=self._draining)
-        scheduler, broken = engine.scheduler, self._broken  # read once: ready and error agree
+        snapshot, broken = engine.snapshot(), self._broken  # read once: ready and error agree
         return ServiceStats(
-            running=len(scheduler.running), waiting=len(scheduler.waiting) + len(self._inbox),
-            num_pages=engine.num_pages - 1, free_pages=scheduler.allocator.num_free,
-            steps=engine.stats["steps"], switches=engine.stats["switches"],
-            preemptions=scheduler.num_preemptions, tokens_by_mode=dict(engine.stats["tokens_by_mode"]),
-            steps_by_mode=dict(engine.stats["steps_by_mode"]), ready=broken is None, draining=self._draining,
+            running=snapshot.running, waiting=snapshot.waiting + len(self._inbox),
+            num_pages=snapshot.num_pages, free_pages=snapshot.free_pages,
+            steps=snapshot.steps, switches=snapshot.switches,
+            preemptions=snapshot.preemptions, tokens_by_mode=snapshot.tokens_by_mode,
+            steps_by_mode=snapshot.steps_by_mode, ready=broken is None, draining=self._draining,
             error=broken)
 
     def info(self) -> dict:
