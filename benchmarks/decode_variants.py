@@ -35,8 +35,9 @@ import model_gpu  # noqa: E402
 from hlo_moves import hlo_report  # noqa: E402
 from roofline import ceilings, describe, device_time, time_fn  # noqa: E402
 
-from shiftjax.serving.engine.executables import to_device  # noqa: E402
-from shiftjax.steps import LAYER_LOOPS, make_step, params_for  # noqa: E402
+from shiftjax.serving.engine.transfers import to_device  # noqa: E402
+from shiftjax.step_options import LAYER_LOOPS, StepOptions  # noqa: E402
+from shiftjax.steps import make_step, params_for  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "default")
 
@@ -76,7 +77,7 @@ def main():
                                                               sampled=kind == "sampled"), weights)
                        for kind in ("greedy", "sampled")}
             start = time.perf_counter()
-            exe = make_step(weights, "tp", attention=model_gpu.attention_impl(), layer_loop=loop).lower(
+            exe = make_step(weights, "tp", StepOptions(attention=model_gpu.attention_impl(), layer_loop=loop)).lower(
                 params_for(weights, "tp"), caches, batches["greedy"]).compile()
             compile_s = time.perf_counter() - start
             report = hlo_report(exe, caches, weights)

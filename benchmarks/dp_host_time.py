@@ -46,7 +46,7 @@ _step = threading.local()  # the device seconds of the step running on this thre
 def instrument(engine, timings: list) -> None:
     """Wraps the engine's two device-touching calls (the executable, the fetch of its
     packed result); appends (wall, device) seconds per step to ``timings``."""
-    from shiftjax.serving.engine import executables as exe
+    from shiftjax.serving.engine import transfers
 
     original_get, original_run = engine.executables.get, engine.run_step
 
@@ -63,9 +63,9 @@ def instrument(engine, timings: list) -> None:
 
     engine.executables.get = get
     engine.run_step = run_step
-    if not getattr(exe.packed_to_host, "probe_timed", False):
-        exe.packed_to_host = _timed(exe.packed_to_host)
-        exe.packed_to_host.probe_timed = True
+    if not getattr(transfers.packed_to_host, "probe_timed", False):
+        transfers.packed_to_host = _timed(transfers.packed_to_host)
+        transfers.packed_to_host.probe_timed = True
 
 
 def _timed(function):

@@ -1,17 +1,15 @@
 """Issue 8's engine part (``shift_x2.py --parts engine``): the engine's own decode loop,
 where host time shows, with the variants it compares (GEMM backends, XLA's command-buffer
-options and update modes, the batch copied into the step, the LM head of before) and
+options and update modes, the in-step sampler of before) and
 ``xla_options``, which says which of those options this XLA accepts. Imported by
 shift_x2.py when those parts run."""
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
 import time
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +20,9 @@ from model_gpu import device_random_params
 from roofline import device_idle
 from shift_x2 import COMMAND_BUFFER_OPTIONS, PAGE, big_config, kv_bytes_per_token, log, weight_bytes_per_device
 
-from shiftjax import model as model_module
 from shiftjax.layouts.mesh import make_mesh
-from shiftjax.serving.engine import executables as executables_module
+from shiftjax.serving.engine import runner as runner_module
+from shiftjax.serving.engine import transfers
 from shiftjax.serving.engine.core import Engine, EngineConfig
 from shiftjax.serving.engine.sampling_params import SamplingParams
 from shiftjax.weights import shard_params
@@ -49,70 +47,34 @@ _VARIANT_OPTIONS = {"command_buffers": COMMAND_BUFFER_OPTIONS,
                     "skip_temp": {UPDATE_MODE: "SKIP_TEMP"}, "skip_profiled": {UPDATE_MODE: "SKIP_PROFILED"},
                     # XLA's GEMMs by cuBLASLt (its own heuristics for skinny decode GEMMs) where cuBLAS runs them
                     "cublaslt": {"xla_gpu_enable_cublaslt": True}}
-# the engine variants made of others: their options merged, their patches all applied
-_COMBINED_VARIANTS = {"skip_temp_batch": ("skip_temp", "batch_in_temp"),
-                      "command_buffers_batch": ("command_buffers", "batch_in_temp")}
-
-
-@contextlib.contextmanager
-def _step_variant(variant: str):
-    """``shipped``: the engine as it is (its default GEMM backend and options).
-    ``cublas`` / ``triton``: its steps with that ``gemm`` (cuBLAS: command buffers down to
-    one command; Triton: XLA's defaults). ``triton_small_graphs``: Triton GEMMs, command
-    buffers down to one command (XLA's default: five). ``in_step_sampler``: its steps made
-    with the in-step sampler of before (whose ``lax.cond`` skips blocked the host on the GPU).
-    ``command_buffers``: its steps compiled with ``COMMAND_BUFFER_OPTIONS``;
-    ``no_command_buffers``: with none. ``never_update``, ``capture_never_update``,
-    ``skip_temp``, ``skip_profiled``: XLA's command buffer update modes of those names
-    (``UPDATE_MODE``). ``batch_in_temp``: the step copies its batch upload into its own
-    buffers first (``_materialised``); ``skip_temp_batch``: that and ``skip_temp``;
-    ``command_buffers_batch``: that and ``command_buffers``. ``cublaslt``: the GEMMs by
-    cuBLASLt (``xla_gpu_enable_cublaslt``).
-    ``one_row_logits``: the LM head multiplies the sampled rows alone, as before
-    ``model.MIN_LOGIT_ROWS`` (patched to 1). ``one_shot_all_reduce`` / ``xla_all_reduce``:
-    TP mode's sums by shiftjax's one-shot kernel (two GPUs) / by XLA's psum
-    (``EngineConfig.all_reduce``; ``shipped`` takes its default, ``auto``)."""
-    parts = _COMBINED_VARIANTS.get(variant, (variant,))
-    patches = []  # (object, attribute, replacement)
-    options = {name: value for part in parts for name, value in _VARIANT_OPTIONS.get(part, {}).items()}
-    if options:
-        compile_lowered = jax.stages.Lowered.compile
-
-        def compile_with(self, compiler_options=None, **kwargs):
-            return compile_lowered(self, {**options, **(compiler_options or {})}, **kwargs)
-        patches.append((jax.stages.Lowered, "compile", compile_with))
-    if "in_step_sampler" in parts:
-        make_step = executables_module.make_step
-
-        def make_sampling_step(*args, **kwargs):
-            return make_step(*args, **{**kwargs, "sample_in_step": True})
-        patches.append((executables_module, "make_step", make_sampling_step))
-    if "batch_in_temp" in parts:
-        unpack_batch = executables_module.unpack_batch
-        patches.append((executables_module, "unpack_batch", lambda upload: unpack_batch(_materialised(upload))))
-    if "one_row_logits" in parts:  # the LM head before 98d9a7a: one row stays one row
-        patches.append((model_module, "MIN_LOGIT_ROWS", 1))
-    if not patches and variant != "shipped" and variant not in _VARIANT_CONFIG:  # (engine_loop sets those)
+def _adjust_steps(variant: str):
+    """What ``variant`` changes in the engine's steps, as ``Engine(adjust_steps=...)`` takes it
+    (None: nothing). ``shipped``: the engine as it is (its default GEMM backend and options).
+    ``cublas`` / ``triton``: its steps with that ``gemm`` (``_VARIANT_CONFIG``; cuBLAS:
+    command buffers down to one command; Triton: XLA's defaults). ``triton_small_graphs``:
+    Triton GEMMs, command buffers down to one command (XLA's default: five).
+    ``in_step_sampler``: its steps made with the in-step sampler of before (whose
+    ``lax.cond`` skips blocked the host on the GPU). ``command_buffers``: its steps compiled
+    with ``COMMAND_BUFFER_OPTIONS``; ``no_command_buffers``: with none. ``never_update``,
+    ``capture_never_update``, ``skip_temp``, ``skip_profiled``: XLA's command buffer update
+    modes of those names (``UPDATE_MODE``). ``cublaslt``: the GEMMs by cuBLASLt
+    (``xla_gpu_enable_cublaslt``). ``one_shot_all_reduce`` / ``xla_all_reduce``: TP mode's
+    sums by shiftjax's one-shot kernel (two GPUs) / by XLA's psum (``EngineConfig.all_reduce``;
+    ``shipped`` takes its default, ``auto``). (The batch copied into the step's own buffers
+    and the one-row LM head of before were measured and not kept: benchmarks/README.md,
+    "Tried and not kept".)"""
+    if variant == "in_step_sampler":
+        return lambda options: options.replace(sample_in_step=True)
+    if variant in _VARIANT_OPTIONS:
+        extra = tuple(_VARIANT_OPTIONS[variant].items())
+        return lambda options: options.replace(xla_options=options.xla_options + extra)
+    if variant != "shipped" and variant not in _VARIANT_CONFIG:
         raise ValueError(f"unknown engine variant {variant!r}")
-    with contextlib.ExitStack() as stack:
-        for target, name, replacement in patches:
-            stack.enter_context(mock.patch.object(target, name, replacement))
-        yield
-
-
-def _materialised(tree):
-    """``tree``'s arrays copied by one fusion into buffers of the step's own: every layer's
-    kernels then read the batch there, not in the argument, which has a new address each
-    step (a command buffer re-records each command that reads a moved allocation). The XOR
-    with an opaque zero keeps XLA from folding the copy away, the outer barrier from fusing
-    it into each consumer."""
-    zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.int32))
-    return jax.lax.optimization_barrier(jax.tree.map(lambda a: a ^ zero, tree))
+    return None
 
 
 def _variant_engine(variant: str, weights, config: EngineConfig) -> Engine:
-    with _step_variant(variant):
-        return Engine(weights, config)
+    return Engine(weights, config, adjust_steps=_adjust_steps(variant))
 
 
 class _HostClock:
@@ -148,7 +110,7 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
     ``fetch`` of the result, ``commit``), and from a profile of steady-state steps (first
     round only) the share of the time each GPU sits idle (target 4: < 5%).
 
-    ``variants`` (see ``_step_variant``) are all built first, then measured interleaved:
+    ``variants`` (see ``_adjust_steps``) are all built first, then measured interleaved:
     per sequence count, every (variant, loop) once in order and once in reverse, ``rounds``
     times in all, so that neither drift nor going first favours one (earlier runs, which
     measured one variant after another, saw the first one launch slower).
@@ -192,9 +154,12 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
         engine.scheduler.commit = clock.wrap("commit", engine.scheduler.commit)
         engine.executables.compiled = {key: clock.wrap("dispatch", fn) for key, fn in engine.executables.compiled.items()}
         engines[variant] = engine
-    originals = {name: getattr(executables_module, name) for name in ("pad_batch", "place_upload", "packed_to_host")}
-    for name, label in (("pad_batch", "pad"), ("place_upload", "place"), ("packed_to_host", "fetch")):
-        setattr(executables_module, name, clock.wrap(label, originals[name]))
+    # the runner's host phases, timed where the runner calls them (its module's names)
+    phases = ((runner_module, "pad_batch", "pad"), (transfers, "place_upload", "place"),
+              (transfers, "packed_to_host", "fetch"))
+    originals = {(module, name): getattr(module, name) for module, name, _ in phases}
+    for module, name, label in phases:
+        setattr(module, name, clock.wrap(label, originals[(module, name)]))
 
     def one_at_a_time(engine):  # what run_step did before async scheduling
         launched = engine.launch_step()
@@ -228,8 +193,8 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
                 first["wall_ms_median"] = float(np.mean(first["rounds_ms"]))  # the mean of the rounds' medians
                 out[f"{variant}:{loop}:dec{seqs}"] = first
     finally:
-        for name, fn in originals.items():
-            setattr(executables_module, name, fn)
+        for (module, name), fn in originals.items():
+            setattr(module, name, fn)
     # Greedy decoding: every loop and round of a variant must generate the same tokens. Across
     # variants only where their arithmetic is the same (cuBLAS and Triton GEMMs round bf16
     # differently, and random weights leave near-ties), so that is reported, not required.

@@ -32,8 +32,10 @@ from model_gpu import LLAMA8B, device_random_params  # noqa: E402
 
 from shiftjax.cache import CacheConfig, allocate_cache  # noqa: E402
 from shiftjax.layouts.mesh import make_mesh  # noqa: E402
-from shiftjax.serving.engine import executables as exe  # noqa: E402
+from shiftjax.serving.engine.executables import engine_step  # noqa: E402
+from shiftjax.serving.engine.transfers import batch_sharding, result_columns  # noqa: E402
 from shiftjax.serving.engine.batch_upload import abstract_upload  # noqa: E402
+from shiftjax.step_options import StepOptions  # noqa: E402
 from shiftjax.steps import make_step, params_for  # noqa: E402
 from shiftjax.weights import shard_params  # noqa: E402
 
@@ -44,14 +46,14 @@ def lowering_seconds(layers: int, repeats: int) -> dict:
     mesh = make_mesh(2, 1)
     weights = shard_params(device_random_params(config, jnp.bfloat16), config, mesh)
     caches = allocate_cache(mesh, layers, weights.layout.kv_slots, config.head_dim, CacheConfig(64, 16, "bfloat16"))
-    sharding = exe.batch_sharding(weights)
-    previous = jax.ShapeDtypeStruct((8, exe.result_columns(0)), np.int32, sharding=sharding)
+    sharding = batch_sharding(weights)
+    previous = jax.ShapeDtypeStruct((8, result_columns(0)), np.int32, sharding=sharding)
     out = {"layers": layers, "repeats": repeats}
     for mode in ("tp", "sp"):
         best = None
         for _ in range(repeats):
-            step = exe.engine_step(make_step(weights, mode, attention="pallas", layer_loop="unrolled",
-                                             sample_in_step=False), 8)
+            options = StepOptions(attention="pallas", layer_loop="unrolled", sample_in_step=False)
+            step = engine_step(make_step(weights, mode, options), 8)
             began = time.perf_counter()
             traced = step.trace(params_for(weights, mode), caches, abstract_upload(64, 8, 16, sharding), previous)
             traced_at = time.perf_counter()

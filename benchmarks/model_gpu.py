@@ -36,9 +36,11 @@ from shiftjax.cache import CacheConfig, KVCache, allocate_cache  # noqa: E402
 from shiftjax.config import ModelConfig  # noqa: E402
 from shiftjax.layouts.mesh import make_mesh  # noqa: E402
 from shiftjax.params import param_shapes, params_from_flat, random_params  # noqa: E402
-from shiftjax.serving.engine.executables import BucketLadder, pad_batch, to_device  # noqa: E402
+from shiftjax.serving.engine.buckets import BucketLadder, pad_batch  # noqa: E402
+from shiftjax.serving.engine.transfers import to_device  # noqa: E402
 from shiftjax.serving.engine.sampling_params import SamplingParams  # noqa: E402
 from shiftjax.serving.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from shiftjax.step_options import StepOptions  # noqa: E402
 from shiftjax.steps import make_step, params_for  # noqa: E402
 from shiftjax.weights import shard_params  # noqa: E402
 
@@ -107,8 +109,7 @@ def check_pallas_against_reference(dtype: str, config: ModelConfig = SMOLLM2,
     cache = CacheConfig(num_pages=8 * 32 + 1, page_size=page_size, dtype=dtype)
     caches = {impl: allocate_cache(mesh, config.num_layers, weights.layout.kv_slots, config.head_dim, cache)
               for impl in ("reference", "pallas")}
-    steps = {impl: make_step(weights, "tp", attention=impl if jax.default_backend() == "gpu" else "reference",
-                             return_logits=True) for impl in caches}
+    steps = {impl: make_step(weights, "tp", StepOptions(attention=impl if jax.default_backend() == "gpu" else "reference"), return_logits=True) for impl in caches}
     worst, n_steps = 0.0, 0
     while sched.has_work:
         scheduled = sched.schedule()
@@ -178,7 +179,7 @@ def hlo_section(weights, caches, shapes: dict, layer_loops=("scan",)):
     num_seqs = shapes["num_seqs"][min(1, len(shapes["num_seqs"]) - 1)]
     batch = to_device(decode_batch(num_seqs, shapes["context"], shapes["page_size"], 64), weights)
     for loop in layer_loops:
-        step = make_step(weights, "tp", attention=attention_impl(), layer_loop=loop)
+        step = make_step(weights, "tp", StepOptions(attention=attention_impl(), layer_loop=loop))
         compiled = step.lower(params_for(weights, "tp"), caches, batch).compile()
         report = hlo_report(compiled, caches, weights)
         RESULTS[f"hlo_decode{num_seqs}_{loop}"] = report
@@ -196,7 +197,7 @@ def decode_timing(weights, caches, shapes: dict, ceiling: dict):
     context, page_size = shapes["context"], shapes["page_size"]
     for num_seqs in shapes["num_seqs"]:
         dev_batch = to_device(decode_batch(num_seqs, context, page_size, 64), weights)
-        step = make_step(weights, "tp", attention=attention_impl())
+        step = make_step(weights, "tp", StepOptions(attention=attention_impl()))
         start = time.perf_counter()
         compiled = step.lower(params_for(weights, "tp"), caches, dev_batch).compile()
         compile_s = time.perf_counter() - start
@@ -235,7 +236,7 @@ def compile_time_vs_depth(depths=(2, 80), smoke=False):
         caches = allocate_cache(mesh, layers, weights.layout.kv_slots, config.head_dim, CacheConfig(65, 16, "bfloat16"))
         batch = to_device(empty_batch(64, 8, 8), weights)
         start = time.perf_counter()
-        make_step(weights, "tp", attention=attention_impl()).lower(params_for(weights, "tp"), caches, batch).compile()
+        make_step(weights, "tp", StepOptions(attention=attention_impl())).lower(params_for(weights, "tp"), caches, batch).compile()
         out[layers] = time.perf_counter() - start
         log(f"[4] compile time, {layers} layers: {out[layers]:.2f} s")
     RESULTS["compile_seconds_by_layers"] = out

@@ -334,7 +334,7 @@ PAPER = {"Shift": (102, 10.1, 37.4e3), "TP": (159, 9.34, 24.7e3), "DP": (614, 22
 
 def simulate_deployment(model: StepModel, name: str, requests, max_concurrency, sp_weights: str) -> dict:
     from shiftjax.serving.bench import simulate as sim
-    from shiftjax.serving.engine.executables import BucketLadder
+    from shiftjax.serving.engine.buckets import BucketLadder
     from shiftjax.serving.engine.policy import ShiftPolicy
     from shiftjax.serving.engine.scheduler import SchedulerConfig
 

@@ -52,7 +52,7 @@ def runs_by_deployment(report: dict) -> dict[str, dict[str, dict]]:
 def step_table(trace: list[dict], token_buckets, seq_buckets) -> dict[tuple[int, int], float]:
     """Median step seconds per (token bucket, sequence bucket) of one deployment's trace, for
     the pairs it ran at least ``MIN_STEPS`` times (the run's first step took 566 ms)."""
-    from shiftjax.serving.engine.executables import BucketLadder
+    from shiftjax.serving.engine.buckets import BucketLadder
 
     ladder = BucketLadder(tuple(token_buckets), tuple(seq_buckets))  # the bucket the engine ran
     groups: dict[tuple[int, int], list[float]] = {}
@@ -104,7 +104,7 @@ def workload_requests(spec: dict, smoke: bool):
 
 def replay(result: dict, spec: dict, name: str, step_seconds, host_gap: float, timing: dict, smoke: bool) -> dict:
     from shiftjax.serving.bench import simulate as sim
-    from shiftjax.serving.engine.executables import BucketLadder
+    from shiftjax.serving.engine.buckets import BucketLadder
     from shiftjax.serving.engine.policy import ShiftPolicy
     from shiftjax.serving.engine.scheduler import SchedulerConfig
 

@@ -168,6 +168,7 @@ def step_logits_finite(weights, config) -> bool:
 
     from shiftjax.batch import empty_batch
     from shiftjax.cache import CacheConfig, allocate_cache
+    from shiftjax.step_options import StepOptions
     from shiftjax.steps import make_step, params_for
 
     batch = empty_batch(16, 1, 4)
@@ -181,7 +182,7 @@ def step_logits_finite(weights, config) -> bool:
     caches = allocate_cache(weights.mesh, config.num_layers, weights.layout.kv_slots, config.head_dim,
                             CacheConfig(num_pages=4, page_size=16, dtype="bfloat16"))
     attention = "reference" if jax.default_backend() == "cpu" else "auto"
-    step = make_step(weights, "tp", attention=attention, return_logits=True)
+    step = make_step(weights, "tp", StepOptions(attention=attention), return_logits=True)
     out, _ = step(params_for(weights, "tp"), caches, jax.tree.map(jnp.asarray, batch))
     logits = np.asarray(out.logits, np.float32)[0]
     return bool(np.all(np.isfinite(logits)) and np.std(logits) > 0)

@@ -41,10 +41,11 @@ from shiftjax.cache import CacheConfig, allocate_cache  # noqa: E402
 from shiftjax.kernels import collectives as collective_kernels  # noqa: E402
 from shiftjax.kernels.collectives import setup_one_shot  # noqa: E402
 from shiftjax.layouts.mesh import make_mesh  # noqa: E402
-from shiftjax.serving.engine import executables as executables_module  # noqa: E402
+from shiftjax.serving.engine import compile as compiling  # noqa: E402
 from shiftjax.serving.engine.core import Engine, EngineConfig  # noqa: E402
-from shiftjax.serving.engine.executables import to_device  # noqa: E402
+from shiftjax.serving.engine.transfers import to_device  # noqa: E402
 from shiftjax.serving.engine.sampling_params import SamplingParams  # noqa: E402
+from shiftjax.step_options import GEMM_BACKENDS, StepOptions  # noqa: E402
 from shiftjax.steps import make_step, params_for  # noqa: E402
 from shiftjax.weights import shard_params  # noqa: E402
 
@@ -142,8 +143,7 @@ def time_steps(weights, mesh, shapes: dict, *, attention: str, profile: bool, nu
     state = {"caches": caches}
     lowered = {}
     for mode, name in shapes:
-        step = make_step(weights, mode, attention=attention, layer_loop="unrolled", sample_in_step=sample_in_step,
-                         all_to_all=all_to_all)
+        step = make_step(weights, mode, StepOptions(attention=attention, layer_loop="unrolled", sample_in_step=sample_in_step, all_to_all=all_to_all))
         batch = to_device(shapes[(mode, name)], weights)
         lowered[(mode, name)] = (step.lower(params_for(weights, mode), caches, batch), batch)
     start = time.perf_counter()
@@ -237,7 +237,7 @@ def correctness(smoke: bool, attention: str, gemms: tuple[str, ...]) -> dict:
         caches = allocate_cache(big_weights.mesh, big.num_layers, big_weights.layout.kv_slots, big.head_dim,
                                 CacheConfig(2 * 64 + 2, PAGE, "bfloat16"))
         batch = to_device(prefill_batch(2, 64 if smoke else 1000, 64), big_weights)
-        options = executables_module.xla_compiler_options(gemm, jax.devices()[0].platform)
+        options = compiling.xla_compiler_options(StepOptions(gemm=gemm), jax.devices()[0].platform)
         logits = {}
         # XLA's collectives, then (two GPUs) the one-shot kernels for TP's sums and SP's exchanges
         collectives = ("xla",) if smoke else ("xla", "one_shot")
@@ -245,8 +245,7 @@ def correctness(smoke: bool, attention: str, gemms: tuple[str, ...]) -> dict:
             setup_one_shot(big_weights.mesh.devices.flat, require_nvlink=True)
         for collective in collectives:
             for mode in ("tp", "sp"):
-                step = make_step(big_weights, mode, attention=attention, layer_loop="unrolled", return_logits=True,
-                                 all_reduce=collective, all_to_all=collective)
+                step = make_step(big_weights, mode, StepOptions(attention=attention, layer_loop="unrolled", all_reduce=collective, all_to_all=collective), return_logits=True)
                 compiled = step.lower(params_for(big_weights, mode), caches, batch).compile(options)
                 result, caches = compiled(params_for(big_weights, mode), caches, batch)
                 logits[(collective, mode)] = np.asarray(result.logits.addressable_shards[0].data, np.float32)
@@ -303,7 +302,7 @@ def step_table(smoke: bool, attention: str, profile: bool, where: str) -> dict:
     out = {"layers": config.num_layers, "weight_bytes_per_device": weight_bytes_per_device(weights, mesh),
            "kv_bytes_per_token_per_device": kv_bytes_per_token(weights, config), "decode_context": ctx + 1, "gemm": gemm}
     out.update(time_steps(weights, mesh, shapes, attention=attention, profile=profile, num_pages=num_pages,
-                          compiler_options=executables_module.xla_compiler_options(gemm, jax.devices()[0].platform)))
+                          compiler_options=compiling.xla_compiler_options(StepOptions(gemm=gemm), jax.devices()[0].platform)))
     return out
 
 
@@ -349,7 +348,7 @@ def levers(smoke: bool, attention: str, profile: bool) -> dict:
       vocabulary) with no collectives: how much of the launch the all-reduces cost;
     - one GPU with the whole model prefilling one prompt: DP's share of the equal work.
     """
-    from shiftjax.serving.engine.executables import pad_batch
+    from shiftjax.serving.engine.buckets import pad_batch
 
     config = big_config(smoke)
     ctx, prompt, max_pages = (64, 64, 8) if smoke else (1024, 2048, 260)
@@ -412,7 +411,7 @@ def sp_all_to_all(smoke: bool, attention: str, profile: bool) -> dict:
               ("tp", "pre4096"): prefill_batch(1, 2 * prompt, 2 * max_pages),
               ("sp", "dec64"): decode_batch(64, context, decode_pages),
               ("tp", "dec64"): decode_batch(64, context, decode_pages)}
-    cublas = None if smoke else executables_module.xla_compiler_options("cublas", "gpu")  # GPU-only options
+    cublas = None if smoke else compiling.xla_compiler_options(StepOptions(gemm="cublas"), "gpu")  # GPU-only options
     kernel = "xla" if smoke else "one_shot"  # the kernel needs two GPUs
     run = functools.partial(time_steps, attention=attention, profile=profile, num_pages=64 * (1024 // PAGE + 1) + 2,
                             compiler_options=cublas, sample_in_step=False)
@@ -602,11 +601,10 @@ def main() -> int:
     parser.add_argument("--engine-variants", default="shipped,in_step_sampler",
                         help="engines the engine part measures: shipped, cublas, triton (EngineConfig.gemm), "
                              "triton_small_graphs (Triton GEMMs, command buffers down to one command), "
-                             "command_buffers (compiled with "
-                             "COMMAND_BUFFER_OPTIONS), no_command_buffers, skip_temp and skip_profiled "
-                             "(XLA's command buffer update modes), batch_in_temp (the batch copied into the "
-                             "step's own buffers first), skip_temp_batch and command_buffers_batch (that and the other), one_row_logits (the LM head "
-                             "of before MIN_LOGIT_ROWS), one_shot_all_reduce and xla_all_reduce (EngineConfig.all_reduce), in_step_sampler (the steps sample in the step, with "
+                             "command_buffers (compiled with COMMAND_BUFFER_OPTIONS), no_command_buffers, "
+                             "never_update, capture_never_update, skip_temp and skip_profiled (XLA's command "
+                             "buffer update modes), cublaslt, one_shot_all_reduce and xla_all_reduce "
+                             "(EngineConfig.all_reduce), in_step_sampler (the steps sample in the step, with "
                              "the conditionals that blocked the host)")
     parser.add_argument("--engine-rounds", type=int, default=2,
                         help="times the engine part measures every (variant, loop), in alternating order")
@@ -622,7 +620,7 @@ def main() -> int:
                         help="the engine part's model shape (random bf16 weights)")
     parser.add_argument("--engine-seq-counts", default="",
                         help="sequences decoding in the engine part's steps, comma separated (default 1,8,64)")
-    parser.add_argument("--correct-gemms", default=",".join(executables_module.GEMM_BACKENDS),
+    parser.add_argument("--correct-gemms", default=",".join(GEMM_BACKENDS),
                         help="the GEMM backends the correct part checks, in order")
     parser.add_argument("--merge", nargs="*", default=[], metavar="JSON",
                         help="earlier parts' JSON files to summarise together with this run")

@@ -37,7 +37,8 @@ from shift_x2 import PAGE, big_config, prefill_batch, time_steps  # noqa: E402
 import shiftjax.steps as steps_module  # noqa: E402
 from shiftjax.layouts.mesh import SP, TP, make_mesh  # noqa: E402
 from shiftjax.model import _column_blocks, _row_blocks, _swiglu, attention_core, rms_norm  # noqa: E402
-from shiftjax.serving.engine.executables import xla_compiler_options  # noqa: E402
+from shiftjax.serving.engine.compile import xla_compiler_options  # noqa: E402
+from shiftjax.step_options import StepOptions  # noqa: E402
 from shiftjax.weights import shard_params  # noqa: E402
 
 
@@ -115,7 +116,7 @@ def main() -> int:
     prompt = 64 if args.smoke else 2048
     attention = "reference" if args.smoke else "pallas"
     profile = not args.smoke
-    options = xla_compiler_options("cublas", jax.devices()[0].platform)
+    options = xla_compiler_options(StepOptions(gemm="cublas"), jax.devices()[0].platform)
     lhs = {**(options or {}), "xla_gpu_enable_latency_hiding_scheduler": True}
     max_pages = prompt // PAGE + 1
     # shift_x2.time_steps: compiled, timed, profiled, and the logits' digest of each step

@@ -47,8 +47,9 @@ from shiftjax.checkpoints.default_model import default_model_path  # noqa: E402
 from shiftjax.checkpoints.load import load_weights  # noqa: E402
 from shiftjax.layouts.mesh import make_mesh  # noqa: E402
 from shiftjax.serving.engine.core import Engine, EngineConfig  # noqa: E402
-from shiftjax.serving.engine.executables import to_device  # noqa: E402
+from shiftjax.serving.engine.transfers import to_device  # noqa: E402
 from shiftjax.serving.engine.sampling_params import SamplingParams  # noqa: E402
+from shiftjax.step_options import StepOptions  # noqa: E402
 from shiftjax.steps import make_step, params_for  # noqa: E402
 from shiftjax.weights import shard_params  # noqa: E402
 
@@ -206,8 +207,7 @@ def llama8b_logits(dry_run: bool, attention: str) -> dict:
     batch = to_device(prefill_batch(seqs, length, max_pages), weights)
     logits = {}
     for mode in ("tp", "sp"):
-        step = make_step(weights, mode, attention=attention, layer_loop="scan" if dry_run else "unrolled",
-                         return_logits=True)
+        step = make_step(weights, mode, StepOptions(attention=attention, layer_loop="scan" if dry_run else "unrolled"), return_logits=True)
         result, caches = step(params_for(weights, mode), caches, batch)
         logits[mode] = np.asarray(result.logits.addressable_shards[0].data, np.float32)
     rel = float(np.linalg.norm(logits["tp"] - logits["sp"]) / np.linalg.norm(logits["tp"]))

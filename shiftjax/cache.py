@@ -44,12 +44,47 @@ class CacheConfig:
         jnp.dtype(self.dtype)  # raises on an unknown dtype name
 
 
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages that hold ``tokens`` tokens (the one rounding every page count uses)."""
+    return -(-tokens // page_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheGeometry:
+    """Everything about one model's cache but its page count: the one home of its shape."""
+
+    num_layers: int
+    kv_slots: int  # all devices' KV slots (layouts.heads)
+    page_size: int
+    head_dim: int
+    dtype: str
+
+    def shape(self, num_pages: int) -> tuple[int, ...]:
+        return (self.num_layers, self.kv_slots, num_pages, self.page_size, self.head_dim)
+
+    def page_bytes_per_device(self, num_devices: int) -> int:
+        """Bytes one page takes on one device: K and V, every layer, this device's share of
+        the slots (the slot axis is split over all devices)."""
+        local_slots = -(-self.kv_slots // num_devices)
+        return 2 * self.num_layers * local_slots * self.page_size * self.head_dim * jnp.dtype(self.dtype).itemsize
+
+    def abstract(self, mesh: Mesh, num_pages: int = 2) -> KVCache:
+        """The cache as ``ShapeDtypeStruct`` s with its sharding (by default two pages: enough
+        to lower a probe step without allocating anything)."""
+        leaf = jax.ShapeDtypeStruct(self.shape(num_pages), jnp.dtype(self.dtype),
+                                    sharding=NamedSharding(mesh, CACHE_SPEC))
+        return KVCache(k=leaf, v=leaf)
+
+    def allocate(self, mesh: Mesh, num_pages: int) -> KVCache:
+        """Zeroed caches, allocated on the devices with their final sharding (never on the host)."""
+        shape, dtype = self.shape(num_pages), self.dtype
+
+        def zeros():
+            return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+        return jax.jit(zeros, out_shardings=NamedSharding(mesh, CACHE_SPEC))()
+
+
 def allocate_cache(mesh: Mesh, num_layers: int, kv_slots: int, head_dim: int, cache: CacheConfig) -> KVCache:
-    """Zeroed caches, allocated on the devices with their final sharding (never on the host)."""
-    shape = (num_layers, kv_slots, cache.num_pages, cache.page_size, head_dim)
-    sharding = NamedSharding(mesh, CACHE_SPEC)
-
-    def zeros():
-        return KVCache(k=jnp.zeros(shape, cache.dtype), v=jnp.zeros(shape, cache.dtype))
-
-    return jax.jit(zeros, out_shardings=sharding)()
+    """Zeroed caches of ``cache.num_pages`` pages (:meth:`CacheGeometry.allocate`)."""
+    return CacheGeometry(num_layers, kv_slots, cache.page_size, head_dim, cache.dtype).allocate(mesh, cache.num_pages)

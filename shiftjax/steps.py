@@ -20,7 +20,7 @@ from jax import lax
 from shiftjax.batch import StepBatch
 from shiftjax.cache import KVCache
 from shiftjax.config import rope_inverse_frequencies
-from shiftjax.kernels.collectives import ALL_REDUCES, ALL_TO_ALLS, check_one_shot_ready, first_ordinal_of
+from shiftjax.kernels.collectives import check_one_shot_ready, first_ordinal_of
 from shiftjax.layouts.mesh import SP
 from shiftjax.layouts.specs import CACHE_SPEC, REPLICATED
 from shiftjax.model import (
@@ -34,6 +34,7 @@ from shiftjax.model import (
 )
 from shiftjax.pytrees import unchecked_init
 from shiftjax.sampling import pack_greedy, pack_samples
+from shiftjax.step_options import StepOptions
 from shiftjax.weights import ModelWeights, ShardedParams
 
 Mode = Literal["tp", "sp"]
@@ -49,27 +50,15 @@ class StepOutput:
     logits: jax.Array | None = None  # [seqs, vocab] float32: with return_logits or sample_in_step=False
 
 
-LAYER_LOOPS = ("scan", "unrolled")
+def make_step(weights: ModelWeights, mode: Mode, options: StepOptions = StepOptions(), *,
+              return_logits: bool = False):
+    """The jitted step of ``mode`` for these weights, built as ``options`` say
+    (:class:`~shiftjax.step_options.StepOptions`); caches (argument 1) are donated. A
+    step where no row asks for alternatives skips the top-k.
 
-
-def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", layer_loop: str = "scan",
-              return_logits: bool = False, max_top_logprobs: int = 0, sample_in_step: bool = True,
-              all_reduce: str = "xla", all_to_all: str = "xla"):
-    """The jitted step of ``mode`` for these weights; caches (argument 1) are donated.
-
-    ``max_top_logprobs``: how many alternatives per sampled token the step can return
-    (static: it fixes the packed result's width); a step where no row asks skips the top-k.
-
-    ``layer_loop``: ``"scan"`` (compile time flat in depth) or ``"unrolled"`` (faster on
-    GPUs, where the scan copies each layer's weights; see ``model.run_layers``).
-
-    ``all_reduce``: who sums the layers' partials over devices (``kernels.collectives``):
-    ``xla`` (``psum``) or ``one_shot`` (two GPUs; ``setup_one_shot`` must have run).
-    ``all_to_all``: likewise for SP mode's two exchanges a layer (``xla``: NCCL's all-to-all).
-
-    ``sample_in_step=False``: every row gets its most likely token (the alternatives'
-    columns zero) and the logits are returned, so that the engine samples separately, and
-    only in steps where a row asks for it. The in-step sampler skips its sort for
+    ``options.sample_in_step=False``: every row gets its most likely token (the
+    alternatives' columns zero) and the logits are returned, so that the engine samples
+    separately, and only in steps where a row asks for it. The in-step sampler skips its sort for
     all-greedy batches with a ``lax.cond``, and XLA's GPU conditional copies its predicate
     to the host and blocks the host until the device gets there: the host could not
     dispatch a step while the one before it runs (2x H200, one sequence, in one run: 10.30
@@ -77,14 +66,11 @@ def make_step(weights: ModelWeights, mode: Mode, *, attention: str = "auto", lay
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if not 0 <= max_top_logprobs <= weights.config.vocab_size:
+    attention, layer_loop, all_reduce, all_to_all = (options.attention, options.layer_loop, options.all_reduce,
+                                                     options.all_to_all)
+    max_top_logprobs, sample_in_step = options.max_top_logprobs, options.sample_in_step
+    if max_top_logprobs > weights.config.vocab_size:
         raise ValueError(f"max_top_logprobs must be in [0, vocab_size], got {max_top_logprobs}")
-    if layer_loop not in LAYER_LOOPS:
-        raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
-    if all_reduce not in ALL_REDUCES:
-        raise ValueError(f"all_reduce must be one of {ALL_REDUCES}, got {all_reduce!r}")
-    if all_to_all not in ALL_TO_ALLS:
-        raise ValueError(f"all_to_all must be one of {ALL_TO_ALLS}, got {all_to_all!r}")
     if "one_shot" in (all_reduce, all_to_all) and weights.mesh.size == 2:
         check_one_shot_ready(weights.mesh.devices.flat)
     config, dims, mesh = weights.config, weights.dims, weights.mesh

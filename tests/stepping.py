@@ -14,6 +14,7 @@ import numpy as np
 from shiftjax.batch import empty_batch
 from shiftjax.cache import CacheConfig, allocate_cache
 from shiftjax.layouts.mesh import make_mesh
+from shiftjax.step_options import StepOptions
 from shiftjax.steps import make_step, params_for
 from shiftjax.weights import shard_params
 
@@ -70,7 +71,7 @@ def run_scenario(params, config, sp: int, tp: int, runs: dict[str, list[str]], *
     mesh = make_mesh(sp, tp)
     weights = shard_params(params, config, mesh, storage)
     modes_used = {mode for modes in runs.values() for mode in modes}
-    steps = {mode: make_step(weights, mode, attention="reference", layer_loop=layer_loop, return_logits=True)
+    steps = {mode: make_step(weights, mode, StepOptions(attention="reference", layer_loop=layer_loop), return_logits=True)
              for mode in modes_used}
     results = {}
     for name, modes in runs.items():

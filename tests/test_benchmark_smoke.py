@@ -27,7 +27,7 @@ VIA_GPU_SCRIPT = {"roofline.py", "decode_variants.py", "model_gpu.py",  # test_g
                   "layer_bench.py", "weight_layout_bench.py",  # test_layers_script_smoke
                   "attention_bench.py"}  # test_kernels_script_smoke
 # test_script_smoke: script -> (arguments, the JSON file it must write into --out)
-SCRIPTS = {"shift_x2.py": (["--smoke", "--engine-variants", "shipped,in_step_sampler,batch_in_temp"], "shift_x2.json"),
+SCRIPTS = {"shift_x2.py": (["--smoke", "--engine-variants", "shipped,in_step_sampler,cublaslt"], "shift_x2.json"),
            "projection.py": (["--smoke"], "projection.json"),
            "dp_host_time.py": (["--smoke"], "dp_host_time.json"),
            "x8_checks.py": (["--dry-run"], "x8_checks.json"),

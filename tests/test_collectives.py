@@ -30,10 +30,12 @@ from shiftjax.kernels.collectives import (
     first_ordinal_of,
     setup_one_shot,
 )
+from shiftjax.cache import CacheGeometry
 from shiftjax.layouts.mesh import SP, TP, make_mesh
 from shiftjax.params import random_params
 from shiftjax.serving.engine.core import Engine, EngineConfig
 from shiftjax.steps import make_step
+from shiftjax.step_options import StepOptions
 from shiftjax.weights import shard_params
 
 AXES = (SP, TP)
@@ -130,11 +132,11 @@ def test_steps_sum_every_layer_by_the_kernel(mode):
     config = CONFIG
     weights = shard_params(random_params(config, seed=1, scale=0.3, dtype=jnp.bfloat16), config,
                            make_mesh(1, 2, jax.devices()[:2]))
-    from shiftjax.serving.engine import executables as exe  # the engine's lowering of a bucket
+    from shiftjax.serving.engine import compile as compiling  # the engine's lowering of a bucket
 
-    lowered = exe._lower_steps(weights, _abstract_caches(weights), [(mode, 8, 4)], result_rows=4, max_pages=4,
-                               attention="reference", layer_loop="unrolled", max_top_logprobs=0,
-                               sample_in_step=False, all_reduce="one_shot")
+    options = StepOptions(max_pages=4, attention="reference", layer_loop="unrolled", max_top_logprobs=0,
+                          sample_in_step=False, all_reduce="one_shot")
+    lowered = compiling._lower_steps(weights, _abstract_caches(weights), [(mode, 8, 4)], options, result_rows=4)
     text = lowered[(mode, 8, 4)].as_text()
     # the layer is lowered once and called for every layer (model.run_layers): its two sums
     assert text.count(f"custom_call @{TARGET}") == 2, text.count(TARGET)
@@ -146,11 +148,12 @@ def test_sp_steps_exchange_every_layer_by_the_kernel():
     kernel on the (2, 1) mesh, the first device's ordinal baked in; TP mode has none."""
     weights = shard_params(random_params(CONFIG, seed=1, scale=0.3, dtype=jnp.bfloat16), CONFIG,
                            make_mesh(2, 1, jax.devices()[:2][::-1]))
-    from shiftjax.serving.engine import executables as exe
+    from shiftjax.serving.engine import compile as compiling
 
-    lowered = exe._lower_steps(weights, _abstract_caches(weights), [("sp", 8, 4), ("tp", 8, 4)], result_rows=4,
-                               max_pages=4, attention="reference", layer_loop="unrolled", max_top_logprobs=0,
-                               sample_in_step=False, all_to_all="one_shot")
+    options = StepOptions(max_pages=4, attention="reference", layer_loop="unrolled", max_top_logprobs=0,
+                          sample_in_step=False, all_to_all="one_shot")
+    lowered = compiling._lower_steps(weights, _abstract_caches(weights), [("sp", 8, 4), ("tp", 8, 4)], options,
+                                     result_rows=4)
     sp, tp = (lowered[(mode, 8, 4)].as_text() for mode in ("sp", "tp"))
     assert sp.count(f"custom_call @{EXCHANGE_TARGET}") == 2 and "all_to_all" not in sp.replace(EXCHANGE_TARGET, "")
     assert f"first_ordinal = {first_ordinal_of(weights.mesh)} : i64" in sp and first_ordinal_of(weights.mesh) == 1
@@ -158,16 +161,14 @@ def test_sp_steps_exchange_every_layer_by_the_kernel():
 
 
 def _abstract_caches(weights):
-    from shiftjax.serving.engine.page_budget import abstract_cache
-
-    return abstract_cache(weights.mesh, CONFIG.num_layers, weights.layout.kv_slots, CONFIG.head_dim, 4, "bfloat16")
+    return CacheGeometry(CONFIG.num_layers, weights.layout.kv_slots, 4, CONFIG.head_dim, "bfloat16").abstract(weights.mesh)
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "all_to_all"])
 def test_make_step_refuses_an_unknown_collective(collective):
     weights = shard_params(random_params(CONFIG, seed=1, scale=0.3), CONFIG, make_mesh(1, 2, jax.devices()[:2]))
     with pytest.raises(ValueError, match=f"{collective} must be one of"):
-        make_step(weights, "tp", **{collective: "nccl"})
+        make_step(weights, "tp", StepOptions(**{collective: "nccl"}))
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "all_to_all"])
@@ -251,7 +252,7 @@ def test_a_step_on_gpus_not_set_up_is_refused():
 @pytest.mark.parametrize("collective, fallback", [("all_reduce", "psum"), ("all_to_all", "NCCL's all-to-all")])
 @pytest.mark.parametrize("failure", [RuntimeError("no nvcc"), PermissionError("read-only cache"), OSError("bad .so")])
 def test_auto_falls_back_to_xla_whatever_stops_the_kernel(monkeypatch, failure, collective, fallback):
-    from shiftjax.serving.engine import core as engine_module
+    from shiftjax.serving.engine import builder as engine_module
 
     asked = []
 
@@ -261,12 +262,12 @@ def test_auto_falls_back_to_xla_whatever_stops_the_kernel(monkeypatch, failure, 
     monkeypatch.setattr(engine_module, "setup_one_shot", failing)
     mesh = types.SimpleNamespace(size=2, devices=np.array(_fake_gpus()))
     heard = []
-    chosen = engine_module._choose_collective(collective, "auto", mesh, heard.append,
-                                              lambda name: contextlib.nullcontext())
+    chosen = engine_module.choose_collective(collective, "auto", mesh, heard.append,
+                                             lambda name: contextlib.nullcontext())
     assert chosen == "xla" and str(failure) in heard[0] and fallback in heard[0]
     with pytest.raises(type(failure)):
-        engine_module._choose_collective(collective, "one_shot", mesh, heard.append,
-                                         lambda name: contextlib.nullcontext())
+        engine_module.choose_collective(collective, "one_shot", mesh, heard.append,
+                                        lambda name: contextlib.nullcontext())
     # auto takes the kernel only over NVLink, where it was measured; asked for by name, anywhere
     assert asked == [{"require_nvlink": True}, {"require_nvlink": False}]
 
@@ -277,10 +278,11 @@ def test_store_keys_differ_by_collective(collective):
 
     weights = shard_params(random_params(CONFIG, seed=1, scale=0.3), CONFIG, make_mesh(1, 2, jax.devices()[:2]))
     caches = _abstract_caches(weights)
-    options = dict(mode="tp", num_tokens=8, num_seqs=4, max_pages=4, attention="reference", layer_loop="scan",
-                   max_top_logprobs=0, sample_in_step=False)
-    assert (step_key(weights, caches, **{collective: "xla"}, **options)
-            != step_key(weights, caches, **{collective: "one_shot"}, **options))
+    options = StepOptions(max_pages=4, attention="reference", layer_loop="scan", max_top_logprobs=0,
+                          sample_in_step=False)
+    bucket = dict(mode="tp", num_tokens=8, num_seqs=4)
+    assert (step_key(weights, caches, options.replace(**{collective: "xla"}), **bucket)
+            != step_key(weights, caches, options.replace(**{collective: "one_shot"}), **bucket))
 
 
 def test_first_ordinal_is_the_first_mesh_devices_or_none_for_another_process():

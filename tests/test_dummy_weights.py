@@ -21,6 +21,7 @@ from shiftjax.layouts import blocks as blk
 from shiftjax.layouts.heads import head_layout
 from shiftjax.layouts.mesh import make_mesh
 from shiftjax.params import param_shapes
+from shiftjax.step_options import StepOptions
 from shiftjax.steps import make_step, params_for
 from shiftjax.weights import block_plan, shard_params
 
@@ -119,7 +120,7 @@ def test_dummy_model_runs_both_modes_to_finite_logits(tmp_path):
     for mode in ("tp", "sp"):
         caches = allocate_cache(mesh, config.num_layers, weights.layout.kv_slots, config.head_dim,
                                 CacheConfig(num_pages=16, page_size=4, dtype="bfloat16"))
-        step = make_step(weights, mode, attention="reference", return_logits=True)
+        step = make_step(weights, mode, StepOptions(attention="reference"), return_logits=True)
         out, _ = step(params_for(weights, mode), caches, batch)
         logits[mode] = np.asarray(out.logits, np.float32)[:2]
         assert np.all(np.isfinite(logits[mode])), mode

@@ -15,11 +15,13 @@ from shiftjax.layouts.mesh import make_mesh
 from shiftjax.params import random_params
 from shiftjax.serving.engine import scheduler as scheduler_module
 from shiftjax.serving.engine.page_allocator import PageAllocator
-from shiftjax.serving.engine import executables as exe
+from shiftjax.serving.engine import compile as compiling
+from shiftjax.serving.engine import transfers
 from shiftjax.serving.engine.core import Engine, EngineConfig, StepFailed
-from shiftjax.serving.engine.executables import BucketLadder, NoBucket
+from shiftjax.serving.engine.buckets import BucketLadder, NoBucket
 from shiftjax.serving.engine.sampling_params import SamplingParams
 from shiftjax.serving.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
+from shiftjax.step_options import GEMM_BACKENDS, StepOptions
 from shiftjax.weights import shard_params
 
 CONFIG = ModelConfig(architecture="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
@@ -220,12 +222,13 @@ def test_async_scheduling_changes_no_token(engines, tp_outputs, options):
 
     pipelined = engines(**options)
     before = pipelined.scheduler.num_preemptions
-    source_of, calls = pipelined._sampled_token_source, []
-    pipelined._sampled_token_source = lambda step: calls.append(step.takes_sampled_tokens) or source_of(step)
+    runner = pipelined.runner
+    source_of, calls = runner._sampled_token_source, []
+    runner._sampled_token_source = lambda step: calls.append(step.takes_sampled_tokens) or source_of(step)
     try:
         got = run(pipelined)
     finally:
-        del pipelined._sampled_token_source
+        del runner._sampled_token_source
     preempted = pipelined.scheduler.num_preemptions - before
     expected = run(engines(async_scheduling=False, **options))
     assert got == expected
@@ -239,14 +242,14 @@ def test_async_scheduling_changes_no_token(engines, tp_outputs, options):
 def test_the_sampler_runs_only_for_steps_that_sample(engines, tp_outputs, sampled_requests):
     engine = engines(mode="tp")
     samplers, calls = engine.samplers, []
-    engine.samplers = lambda *args: calls.append(1) or samplers(*args)
+    engine.runner.samplers = lambda *args: calls.append(1) or samplers(*args)
     try:
         assert [r.output_ids for r in generate(engine, PROMPTS, GREEDY)] == tp_outputs
         assert calls == []  # greedy steps take the step's own packing
         assert [r.output_ids for r in generate(engine, PROMPTS, SAMPLED)] == [r.output_ids for r in sampled_requests]
         assert calls
     finally:
-        engine.samplers = samplers
+        engine.runner.samplers = samplers
 
 
 @pytest.mark.parametrize("error, raised", [(RuntimeError("injected device error"), StepFailed),
@@ -260,7 +263,7 @@ def test_a_step_that_fails_on_the_devices_is_recomputed_not_lost(engines, tp_out
     requests = [engine.add_request(p, GREEDY) for p in PROMPTS]
     for _ in range(3):
         engine.run_step()
-    fetch, failures = exe.packed_to_host, []
+    fetch, failures = transfers.packed_to_host, []
 
     def fails_once(host_copy):
         if not failures:
@@ -268,7 +271,7 @@ def test_a_step_that_fails_on_the_devices_is_recomputed_not_lost(engines, tp_out
             raise error
         return fetch(host_copy)
 
-    monkeypatch.setattr(exe, "packed_to_host", fails_once)
+    monkeypatch.setattr(transfers, "packed_to_host", fails_once)
     with pytest.raises(raised):
         engine.run_step()
     engine.run_until_done(requests)
@@ -424,11 +427,11 @@ def test_gemm_backend_options():
     """Who runs the GEMMs is an XLA compile option on GPUs only, one for every step of an
     engine (TP and SP steps must do the same arithmetic); cuBLAS unless asked."""
     cublas = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_graph_min_graph_size": 1}
-    assert exe.xla_compiler_options("triton", "gpu") is None
-    assert exe.xla_compiler_options("cublas", "gpu") == cublas
-    assert all(exe.xla_compiler_options(gemm, "cpu") is None for gemm in exe.GEMM_BACKENDS)
+    assert compiling.xla_compiler_options(StepOptions(gemm="triton"), "gpu") is None
+    assert compiling.xla_compiler_options(StepOptions(gemm="cublas"), "gpu") == cublas
+    assert all(compiling.xla_compiler_options(StepOptions(gemm=gemm), "cpu") is None for gemm in GEMM_BACKENDS)
     with pytest.raises(ValueError, match="gemm must be one of"):
-        exe.xla_compiler_options("cutlass", "gpu")
+        StepOptions(gemm="cutlass")
     with pytest.raises(ValueError, match="gemm must be one of"):
         EngineConfig(gemm="cutlass")
     assert EngineConfig().gemm == "cublas"
@@ -437,7 +440,7 @@ def test_gemm_backend_options():
     from shiftjax.serving.server.cli import _parser
 
     gemm = next(a for a in _parser()._actions if a.dest == "gemm")
-    assert tuple(gemm.choices) == exe.GEMM_BACKENDS and gemm.default == EngineConfig().gemm
+    assert tuple(gemm.choices) == GEMM_BACKENDS and gemm.default == EngineConfig().gemm
     assert EngineConfig(**engine_options(_parser().parse_args(["--gemm", "triton"]))).gemm == "triton"
     with pytest.raises(SystemExit):
         _parser().parse_args(["--gemm", "cutlass"])
@@ -447,12 +450,12 @@ def test_compile_workers(monkeypatch, weights):
     """Triton's autotuning serialises concurrent compiles on a GPU, so they run one at a
     time there; cuBLAS steps and CPU steps compile at once. An explicit count wins, and is
     validated."""
-    monkeypatch.setattr(exe, "usable_cpus", lambda: 32)
-    assert exe.compile_workers("gpu", "triton") == 1
-    assert exe.compile_workers("gpu", "cublas") == 8
-    assert exe.compile_workers("cpu", "triton") == 32
-    monkeypatch.setattr(exe, "usable_cpus", lambda: 2)
-    assert exe.compile_workers("gpu", "cublas") == 1
+    monkeypatch.setattr(compiling, "usable_cpus", lambda: 32)
+    assert compiling.compile_workers("gpu", "triton") == 1
+    assert compiling.compile_workers("gpu", "cublas") == 8
+    assert compiling.compile_workers("cpu", "triton") == 32
+    monkeypatch.setattr(compiling, "usable_cpus", lambda: 2)
+    assert compiling.compile_workers("gpu", "cublas") == 1
     with pytest.raises(ValueError, match="compile_workers must be at least 1"):
         EngineConfig(compile_workers=0)
 
@@ -463,7 +466,7 @@ def test_compile_workers(monkeypatch, weights):
     assert EngineConfig(**engine_options(_parser().parse_args([]))).compile_workers is None
 
     asked = []
-    compile_all = exe.compile_all
-    monkeypatch.setattr(exe, "compile_all", lambda *a, **k: asked.append(k["workers"]) or compile_all(*a, **k))
+    compile_all = compiling.compile_all
+    monkeypatch.setattr(compiling, "compile_all", lambda *a, **k: asked.append(k["workers"]) or compile_all(*a, **k))
     engine = engine_for(weights, mode="tp", token_buckets=(4,), compile_workers=1)
     assert asked == [1] and len(engine.executables.compiled) == 1

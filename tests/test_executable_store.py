@@ -12,7 +12,10 @@ from shiftjax.config import ModelConfig
 from shiftjax.layouts.mesh import make_mesh
 from shiftjax.params import random_params
 from shiftjax.serving.engine import executable_store
-from shiftjax.serving.engine import executables as exe
+from shiftjax.cache import CacheGeometry
+from shiftjax.serving.engine.buckets import BucketLadder
+from shiftjax.step_options import StepOptions
+from shiftjax.serving.engine import compile as compiling
 from shiftjax.serving.engine.core import Engine, EngineConfig
 from shiftjax.serving.engine.sampling_params import SamplingParams
 from shiftjax.weights import shard_params
@@ -35,13 +38,13 @@ def weights():
 def lowered_steps(monkeypatch):
     """Every step the engine traced and lowered (a store hit lowers nothing)."""
     seen = []
-    lower = exe._lower_steps
+    lower = compiling._lower_steps
 
-    def counting(weights, caches, steps, **options):
+    def counting(weights, caches, steps, *args, **kwargs):
         seen.extend(steps)
-        return lower(weights, caches, steps, **options)
+        return lower(weights, caches, steps, *args, **kwargs)
 
-    monkeypatch.setattr(exe, "_lower_steps", counting)
+    monkeypatch.setattr(compiling, "_lower_steps", counting)
     return seen
 
 
@@ -103,16 +106,16 @@ def test_any_change_to_what_the_lowering_depends_on_is_a_miss(weights, tmp_path,
 
     import jax
 
-    key = dict(mode="tp", num_tokens=4, num_seqs=4, max_pages=16, attention="reference", layer_loop="scan",
-               max_top_logprobs=20)
+    key = dict(mode="tp", num_tokens=4, num_seqs=4)
+    options = StepOptions(max_pages=16, attention="reference", layer_loop="scan", max_top_logprobs=20)
     caches = narrower.caches
-    base = executable_store.step_key(weights, caches, **key)
-    assert executable_store.step_key(weights, caches, **key) == base  # stable
+    base = executable_store.step_key(weights, caches, options, **key)
+    assert executable_store.step_key(weights, caches, options, **key) == base  # stable
     with jax.default_matmul_precision("bfloat16"):  # JAX configuration, even a thread-local one (conftest: highest)
-        assert executable_store.step_key(weights, caches, **key) != base
+        assert executable_store.step_key(weights, caches, options, **key) != base
     other_mesh = shard_params(random_params(CONFIG, seed=5, scale=0.3), CONFIG, make_mesh(1, 2))
-    assert executable_store.step_key(other_mesh, caches, **key) != base
-    assert executable_store.step_key(weights, caches, **key | {"num_seqs": 1}) != base
+    assert executable_store.step_key(other_mesh, caches, options, **key) != base
+    assert executable_store.step_key(weights, caches, options, **key | {"num_seqs": 1}) != base
 
 
 def test_a_damaged_entry_is_compiled_again(weights, tmp_path, lowered_steps):
@@ -257,19 +260,19 @@ def test_the_temporaries_size_is_measured_once_then_read(weights, tmp_path, lowe
     """Sizing the page pool from memory compiles the largest steps to learn their
     temporaries; with a store, a warm start reads that size instead, and a change of any
     option the steps depend on, or a damaged entry, measures it again."""
-    from shiftjax.serving.engine.page_budget import abstract_cache
-
     store = executable_store.ExecutableStore(tmp_path / "store")
-    caches = abstract_cache(weights.mesh, CONFIG.num_layers, weights.layout.kv_slots, CONFIG.head_dim, 4, "float32")
-    ladder = exe.BucketLadder((4, 16), (4,))
-    options = dict(max_pages=16, attention="reference", layer_loop="scan", max_top_logprobs=2)
+    caches = CacheGeometry(CONFIG.num_layers, weights.layout.kv_slots, 4, CONFIG.head_dim, "float32").abstract(
+        weights.mesh)
+    ladder = BucketLadder((4, 16), (4,))
+    options = StepOptions(max_pages=16, attention="reference", layer_loop="scan", max_top_logprobs=2)
 
     def measure(**changes):
-        return exe.temporary_bytes(weights, caches, ladder, ("tp", "sp"), store=store, **options | changes)
+        return compiling.temporary_bytes(weights, caches, ladder, ("tp", "sp"), options.replace(**changes),
+                                         store=store)
 
     size = measure()
-    assert lowered_steps == [("tp", 16, 4), ("sp", 16, 4)] and size == exe.temporary_bytes(
-        weights, caches, ladder, ("tp", "sp"), **options)
+    assert lowered_steps == [("tp", 16, 4), ("sp", 16, 4)] and size == compiling.temporary_bytes(
+        weights, caches, ladder, ("tp", "sp"), options)
     [entry] = (tmp_path / "store").glob("temporaries-*.json")
     lowered_steps.clear()
     assert measure() == size and lowered_steps == []  # read, not compiled

@@ -13,6 +13,7 @@ from stepping import run_scenario
 
 from shiftjax.config import ModelConfig
 from shiftjax.params import random_params
+from shiftjax.step_options import StepOptions
 from shiftjax.steps import make_step, params_for
 
 CONFIG = ModelConfig(
@@ -71,7 +72,7 @@ def test_executables_share_the_cache_and_donate_it(params):
     results, weights = run_scenario(params, CONFIG, 2, 2, {"tp": ["tp"]})
     caches = results["tp"][1]
     batch = jax.tree.map(jnp.asarray, stepping.build_batch(stepping.scenario(CONFIG.vocab_size)[0], [0, 0]))
-    compiled = {mode: make_step(weights, mode, attention="reference").lower(
+    compiled = {mode: make_step(weights, mode, StepOptions(attention="reference")).lower(
         params_for(weights, mode), caches, batch).compile() for mode in ("tp", "sp")}
 
     # Same cache shardings in and out, in both executables. (Rebuilding the pytrees with
@@ -116,13 +117,13 @@ def test_unrolled_layers_lower_one_layer_and_update_the_cache_in_place(params):
 
     # Lowered for CUDA (no GPU needed): one layer function, a call per layer, each Pallas
     # kernel (the cache write, prefill and decode attention) once.
-    cuda = make_step(weights, "tp", attention="pallas", layer_loop="unrolled").trace(*args).lower(
+    cuda = make_step(weights, "tp", StepOptions(attention="pallas", layer_loop="unrolled")).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
     assert re.findall(r"func\.func private @(layer\w*)", cuda) == ["layer"]
     assert len(re.findall(r"call @layer\(", cuda)) == config.num_layers
     assert cuda.count("custom_call @__gpu$xla.gpu.triton") == 3
 
-    hlo = make_step(weights, "tp", attention="reference", layer_loop="unrolled").lower(*args).compile().as_text()
+    hlo = make_step(weights, "tp", StepOptions(attention="reference", layer_loop="unrolled")).lower(*args).compile().as_text()
     local_shape = caches.k.addressable_shards[0].data.shape
     _assert_caches_aliased(hlo, local_shape)
     assert not re.search(r"= [a-z0-9]+\[%s\]\{[^}]*\} copy\(" % ",".join(map(str, local_shape)), hlo)

@@ -63,8 +63,8 @@ def shard_checked_steps(monkeypatch):
     checked = []
     make_step = stepping.make_step
 
-    def make_checked_step(weights, mode, **options):
-        step = make_step(weights, mode, **options)
+    def make_checked_step(weights, mode, *args, **kwargs):
+        step = make_step(weights, mode, *args, **kwargs)
 
         def checked_step(params, caches, batch):
             out, caches = step(params, caches, batch)

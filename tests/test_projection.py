@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shiftjax.serving.bench import simulate as sim
-from shiftjax.serving.engine.executables import BucketLadder
+from shiftjax.serving.engine.buckets import BucketLadder
 from shiftjax.serving.engine.policy import ShiftPolicy
 from shiftjax.serving.engine.scheduler import SchedulerConfig
 

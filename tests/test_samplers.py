@@ -14,8 +14,10 @@ from shiftjax.config import ModelConfig
 from shiftjax.layouts.mesh import make_mesh
 from shiftjax.params import random_params
 from shiftjax.sampling import pack_samples
-from shiftjax.serving.engine.executables import BucketLadder, place_upload, to_device
+from shiftjax.serving.engine.buckets import BucketLadder
+from shiftjax.serving.engine.transfers import place_upload, to_device
 from shiftjax.serving.engine.sampler_executables import Samplers, needs_sampler
+from shiftjax.step_options import StepOptions
 from shiftjax.steps import make_step, params_for
 from shiftjax.weights import shard_params
 
@@ -51,7 +53,7 @@ def mixed_batch():
 
 
 def run(weights, batch, **options):
-    step = make_step(weights, "tp", attention="reference", max_top_logprobs=TOP, **options)
+    step = make_step(weights, "tp", StepOptions(attention="reference", max_top_logprobs=TOP, **options))
     caches = allocate_cache(weights.mesh, CONFIG.num_layers, weights.layout.kv_slots, CONFIG.head_dim,
                             CacheConfig(num_pages=8, page_size=PAGE, dtype="float32"))
     placed = to_device(batch, weights)
@@ -65,7 +67,7 @@ def test_the_sampler_gives_what_the_step_gives(weights):
     in_step, _, _ = run(weights, batch)
     split, _, _ = run(weights, batch, sample_in_step=False)
     # result rows 8: the sampler reads the step's upload and pads as the steps do
-    samplers = Samplers.compile(weights, BucketLadder((16,), (1, 4, 8)), TOP, MAX_PAGES)
+    samplers = Samplers.compile(weights, BucketLadder((16,), (1, 4, 8)), StepOptions(max_pages=MAX_PAGES, max_top_logprobs=TOP))
     padded = np.asarray(samplers(split.logits, place_upload(batch, weights).sequences))
     assert padded.shape == (8, 2 + 2 * TOP) and not padded[4:].any()
     sampled = padded[:4]
@@ -97,7 +99,7 @@ def test_an_all_greedy_batch_needs_no_sampler():
 
 
 def test_the_sampler_has_no_conditional(weights):
-    samplers = Samplers.compile(weights, BucketLadder((16,), (4,)), TOP, MAX_PAGES)
+    samplers = Samplers.compile(weights, BucketLadder((16,), (4,)), StepOptions(max_pages=MAX_PAGES, max_top_logprobs=TOP))
     assert "conditional(" not in samplers.compiled[4].as_text()
     # the check can fail: the same sampler with its skips compiles to conditionals
     skipping = jax.jit(functools.partial(pack_samples, max_top_logprobs=TOP, skip_unneeded=True))

@@ -2,7 +2,7 @@
 
 No model runs. Each step is scheduled by :class:`~shiftjax.serving.engine.scheduler.Scheduler`
 (token budget, decodes first, chunked prefill, pages, preemption), padded to a bucket of
-the engine's :class:`~shiftjax.serving.engine.executables.BucketLadder`, given a mode by
+the engine's :class:`~shiftjax.serving.engine.buckets.BucketLadder`, given a mode by
 :class:`~shiftjax.serving.engine.policy.ShiftPolicy` exactly as ``Engine.run_step`` does, and
 then takes the seconds a step-time model says it takes; its sampled tokens are committed
 to their requests at the step's end. Arrivals join the waiting queue at their timestamps
@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from shiftjax.serving.bench.metrics import RequestRecord, summarize
 from shiftjax.serving.bench.workloads import read_trace, window_trace
 from shiftjax.serving.server.data_parallel import RoutedLoad, pick_replica, replica_loads
-from shiftjax.serving.engine.executables import BucketLadder
+from shiftjax.serving.engine.buckets import BucketLadder
 from shiftjax.serving.engine.policy import ShiftPolicy
 from shiftjax.serving.engine.sampling_params import SamplingParams
 from shiftjax.serving.engine.scheduler import QueueFull, Scheduler, SchedulerConfig

@@ -54,6 +54,7 @@ import jaxlib
 from jax.experimental import serialize_executable
 
 from shiftjax.cache import KVCache
+from shiftjax.step_options import StepOptions
 from shiftjax.steps import params_for
 from shiftjax.weights import ModelWeights
 
@@ -101,13 +102,13 @@ def environment_fingerprint(devices: list) -> dict:
     }
 
 
-def step_key(weights: ModelWeights, caches: KVCache, *, mode: str, num_tokens: int, num_seqs: int,
-             **step_options) -> str:
-    """The store key of one compiled step: a SHA-256 over its environment, model, inputs
-    and options (see the module docstring); ``step_options`` must be every other argument
-    the step is made and lowered with."""
+def step_key(weights: ModelWeights, caches: KVCache, options: StepOptions, *, mode: str, num_tokens: int,
+             num_seqs: int, result_rows: int | None = None, compiler_options: dict | None = None) -> str:
+    """The store key of one compiled step: a SHA-256 over its environment, model, inputs,
+    options and XLA's compile options (see the module docstring)."""
     return _key(weights, inputs=[_abstract(params_for(weights, mode)), _abstract(caches)],
-                step={"mode": mode, "num_tokens": num_tokens, "num_seqs": num_seqs, **step_options})
+                step={"mode": mode, "num_tokens": num_tokens, "num_seqs": num_seqs, "result_rows": result_rows,
+                      "compiler_options": compiler_options, **options.key()})
 
 
 def sampler_key(weights: ModelWeights, **sampler_options) -> str:
@@ -117,13 +118,16 @@ def sampler_key(weights: ModelWeights, **sampler_options) -> str:
     return "sampler-" + _key(weights, sampler=sampler_options)
 
 
-def temporaries_key(weights: ModelWeights, caches: KVCache, *, modes, **step_options) -> str:
-    """The store key of the steps' temporary buffer size (``executables.temporary_bytes``,
+def temporaries_key(weights: ModelWeights, caches: KVCache, options: StepOptions, *, modes, num_tokens: int,
+                    num_seqs: int, result_rows: int, compiler_options: dict | None) -> str:
+    """The store key of the steps' temporary buffer size (``compile.temporary_bytes``,
     which compiles the largest steps to learn it): a function of the same things as those
     steps' keys, ``caches`` the abstract ones it lowers against."""
     return "temporaries-" + _key(weights, inputs=[[_abstract(params_for(weights, mode)) for mode in modes],
                                                   _abstract(caches)],
-                                 step={"modes": list(modes), **step_options})
+                                 step={"modes": list(modes), "num_tokens": num_tokens, "num_seqs": num_seqs,
+                                       "result_rows": result_rows, "compiler_options": compiler_options,
+                                       **options.key()})
 
 
 def _key(weights: ModelWeights, **program) -> str:

@@ -6,12 +6,8 @@ import dataclasses
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
-from shiftjax.cache import KVCache
-from shiftjax.layouts.specs import CACHE_SPEC
 from shiftjax.serving.engine.cuda_free_memory import cuda_free_and_total
 
 DEFAULT_KV_MEMORY_FRACTION = 0.9  # of what weights and temporaries leave; the rest is headroom
@@ -24,14 +20,6 @@ class PagePool:
     num_pages: int  # including page 0, the scratch page
     sized_by: str  # "num_pages" | "memory" | "fallback"
     explanation: str
-
-
-def page_bytes_per_device(num_layers: int, kv_slots: int, page_size: int, head_dim: int, dtype: str,
-                          num_devices: int) -> int:
-    """Bytes one page takes on one device: K and V, every layer, this device's share of the
-    slots (the slot axis is split over all devices)."""
-    local_slots = -(-kv_slots // num_devices)
-    return 2 * num_layers * local_slots * page_size * head_dim * jnp.dtype(dtype).itemsize
 
 
 def jax_memory_fraction() -> float:
@@ -108,11 +96,3 @@ def size_pool(*, num_pages: int | None, kv_memory_fraction: float | None, fallba
             f"{limit / 2**30:.2f} GiB after what is in use (weights; under --gpu-allocator vmm all the "
             f"driver reports, {in_use / 2**30:.2f} GiB) and step temporaries ({temporaries / 2**30:.2f} GiB)")
     return PagePool(pages, "memory", note)
-
-
-def abstract_cache(mesh, num_layers: int, kv_slots: int, head_dim: int, page_size: int, dtype: str):
-    """A two-page cache as ``ShapeDtypeStruct`` s with the cache sharding: enough to lower a
-    probe step without allocating anything."""
-    shape = (num_layers, kv_slots, 2, page_size, head_dim)
-    leaf = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=NamedSharding(mesh, CACHE_SPEC))
-    return KVCache(k=leaf, v=leaf)

@@ -21,8 +21,10 @@ from shiftjax.batch import StepBatch
 from shiftjax.sampling import pack_samples
 from shiftjax.serving.engine.batch_upload import abstract_upload, unpack_sequences
 from shiftjax.serving.engine.executable_store import ExecutableStore, sampler_key
-from shiftjax.serving.engine.executables import (BucketLadder, JaxCompileEvents, batch_sharding, pad_result,
-                                          place_replicated)
+from shiftjax.serving.engine.buckets import BucketLadder
+from shiftjax.serving.engine.compile import JaxCompileEvents
+from shiftjax.serving.engine.transfers import batch_sharding, pad_result, place_replicated
+from shiftjax.step_options import StepOptions
 from shiftjax.weights import ModelWeights
 
 
@@ -45,13 +47,14 @@ class Samplers:
         self.loaded_from_store = loaded_from_store
 
     @classmethod
-    def compile(cls, weights: ModelWeights, ladder: BucketLadder, max_top_logprobs: int, max_pages: int,
+    def compile(cls, weights: ModelWeights, ladder: BucketLadder, step_options: StepOptions,
                 store: ExecutableStore | None = None, report: Callable[[str], None] | None = None) -> "Samplers":
-        """Compiled for every sequence bucket, or loaded from ``store`` (each loaded one is
-        run once, as the engine runs its stored steps, and compiled again if that fails;
-        what XLA compiles afresh is stored)."""
+        """Compiled for every sequence bucket of the steps that ``step_options`` build, or
+        loaded from ``store`` (each loaded one is run once, as the engine runs its stored
+        steps, and compiled again if that fails; what XLA compiles afresh is stored)."""
         sharding = batch_sharding(weights)
-        options = dict(max_top_logprobs=max_top_logprobs, result_rows=ladder.result_rows)
+        max_pages = step_options.max_pages
+        options = dict(max_top_logprobs=step_options.max_top_logprobs, result_rows=ladder.result_rows)
         sample = jax.jit(functools.partial(sample_rows, **options))
         devices = list(weights.mesh.devices.flat)
         compiled, loaded = {}, 0

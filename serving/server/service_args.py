@@ -64,7 +64,7 @@ def build_data_parallel_service(args: argparse.Namespace, *, observer=None, repo
     tokenizer = load_tokenizer(tokenizer_path_for(args.model, args.load_format, args.tokenizer))
     summed = StartupSummer(observer) if observer is not None else None
     if args.compile_workers is None:  # the replicas compile at the same time: share the CPUs
-        from shiftjax.serving.engine.executables import compile_workers
+        from shiftjax.serving.engine.compile import compile_workers
 
         workers = max(1, compile_workers(devices[0].platform, args.gemm) // args.dp)
         args = argparse.Namespace(**{**vars(args), "compile_workers": workers})
