@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 10 on one host of 8 H200s in ONE device call (kind nvidia-h200-x8); see benchmarks/x8_README.md.
+# Issue 10 on one host of 8 H200s in ONE device call (kind nvidia-h200-x8); see benchmarks/README.md, "The 8-GPU projection".
 #   COMMIT=<sha> bash benchmarks/run_x8.sh                          # on the GPUs
 #   DRY_RUN=1 OUT=/tmp/x8 PY=.venv/bin/python bash benchmarks/run_x8.sh  # everything on 8 virtual CPU devices
 # benchmarks/run_compare.sh with: first the step "checks" (x8_checks.py: devices, collective values
