@@ -62,20 +62,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequence counts to compile a step for (default: the token buckets below the max, "
                              "then the max; with --token-buckets given, the max alone)")
     engine.add_argument("--attention", choices=("reference", "pallas", "auto"), default="auto")
-    # executables.GEMM_BACKENDS (not imported: this module is read before JAX is configured)
+    # step_options.GEMM_BACKENDS (not imported: this module is read before JAX is configured)
     engine.add_argument("--gemm", choices=("triton", "cublas"), default="cublas",
-                        help="who runs the GEMMs on GPUs: cuBLAS (compiles ~15x faster, prefills 4-7%% faster) "
-                             "or XLA's autotuned Triton GEMMs (one sequence decoded 1.07-1.09x faster in a bucket of 1)")
+                        help="who runs the GEMMs on GPUs: cuBLAS (compiles and prefills faster) or XLA's "
+                             "autotuned Triton GEMMs (one sequence decodes a little faster)")
     # kernels.collectives.ALL_REDUCES (not imported, as above)
     engine.add_argument("--all-reduce", choices=("auto", "xla", "one_shot"), default="auto",
                         help="who sums TP mode's partials over the GPUs: XLA's psum (NCCL), or on exactly two "
                              "GPUs shiftjax's one-shot kernel, compiled with nvcc on first use, which XLA keeps "
-                             "inside its CUDA graphs (served TP decode 1.03-1.11x faster on 2x H200, the same "
-                             "sums); auto: one_shot where the mesh is two GPUs and the kernel builds")
+                             "inside its CUDA graphs (the same sums); auto: one_shot where the mesh is two GPUs "
+                             "and the kernel builds")
     engine.add_argument("--all-to-all", choices=("auto", "xla", "one_shot"), default="auto",
                         help="who does SP mode's all-to-alls: NCCL's, or on exactly two GPUs shiftjax's one-shot "
-                             "exchange (the same kernel library; 1.1-2.3x faster than NCCL's alone on 2x H200, "
-                             "the same bytes); auto: one_shot where the mesh is two GPUs and the kernel builds")
+                             "exchange (the same kernel library, the same bytes); auto: one_shot where the mesh "
+                             "is two GPUs and the kernel builds")
     engine.add_argument("--compile-workers", type=int, default=None,
                         help="executables compiled at once at start-up (default: all on the CPU; on GPUs "
                              "one with Triton GEMMs, whose autotuning serialises, and a quarter of the usable "
