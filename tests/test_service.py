@@ -18,7 +18,8 @@ from shiftjax.layouts.mesh import make_mesh
 from shiftjax.params import random_params
 from shiftjax.serving.engine.core import Engine, EngineConfig
 from shiftjax.serving.engine.errors import DeadlineExceeded, InvalidRequest, Overloaded, RequestFailed, Unavailable
-from shiftjax.serving.engine.executables import JaxCompileEvents
+from shiftjax.serving.engine.compile import JaxCompileEvents
+from shiftjax.serving.engine.llm import LLM
 from shiftjax.serving.server.protocol import GenerationRequest
 from shiftjax.serving.engine.sampling_params import SamplingParams
 from shiftjax.serving.server.service import FAILED_STEPS_BEFORE_UNHEALTHY, AsyncEngineService
@@ -41,7 +42,8 @@ class CharTokenizer:
 @pytest.fixture(scope="module")
 def engine():
     weights = shard_params(random_params(CONFIG, seed=5, scale=0.3), CONFIG, make_mesh(2, 2))
-    config = EngineConfig(max_model_len=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+    # 32 tokens and 6 sequences asked, 16 and 4 run: the buckets bound them (ServerInfo says so)
+    config = EngineConfig(max_model_len=64, page_size=4, max_num_seqs=6, max_num_batched_tokens=32,
                           token_buckets=(4, 16), seq_buckets=(4,), attention="reference", mode="auto",
                           shift_threshold=8, num_pages=40, max_top_logprobs=5, max_queue=64)
     return Engine(weights, config, eos_token_ids=CONFIG.eos_token_ids)
@@ -138,6 +140,37 @@ def test_stop_string_across_tokens_ends_the_stream(service, reference):
     assert "".join(d.text for d in deltas) == expected
     assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == stop
     assert service.stats().free_pages == service.stats().num_pages
+
+
+def test_llm_generate_and_the_service_end_requests_alike(engine, reference):
+    """One output processor for both: the same text, finish and stop reasons offline
+    (LLM.generate) and streamed, for a stop string, a stop token id, max_tokens and a stop
+    string that the request's last step completes."""
+    texts = [CharTokenizer().decode(ids) for ids in reference]
+    params = [SamplingParams(max_tokens=12, stop=(texts[0][3:5],), ignore_eos=True),
+              SamplingParams(max_tokens=12, stop_token_ids=(reference[1][6],), ignore_eos=True),
+              SamplingParams(max_tokens=7, ignore_eos=True),
+              SamplingParams(max_tokens=6, stop=(texts[3][4:6], "never"), ignore_eos=True)]
+    llm = object.__new__(LLM)  # an LLM over this engine (its constructor loads a checkpoint)
+    llm.engine, llm.tokenizer = engine, CharTokenizer()
+    offline = [(c.text, c.finish_reason, c.stop_reason) for c in llm.generate(PROMPTS, params)]
+    service = AsyncEngineService(engine, CharTokenizer(), model_name="tiny")
+    service.wait_ready(60)
+
+    async def main():
+        return await asyncio.gather(*(collect(service.submit(GenerationRequest(tuple(p), q)))
+                                      for p, q in zip(PROMPTS, params)))
+
+    try:
+        streamed = [("".join(d.text for d in deltas), deltas[-1].finish_reason, deltas[-1].stop_reason)
+                    for deltas in asyncio.run(main())]
+    finally:
+        service.shutdown()
+    assert streamed == offline
+    assert [reason for _, reason, _ in offline] == ["stop", "stop", "length", "stop"]
+    assert offline[0] == (texts[0][:3], "stop", texts[0][3:5]) and offline[1][2] == reference[1][6]
+    assert offline[3] == (texts[3][:texts[3].find(texts[3][4:6])], "stop", texts[3][4:6])
+    assert engine.scheduler.allocator.num_free == engine.num_pages - 1
 
 
 def test_cancel_close_and_deadline_free_pages_at_once(service):
@@ -439,6 +472,13 @@ def test_info_is_json_and_says_what_runs(service):
     assert list(info["startup"]["phase_seconds"]) == ["kv_cache", "executables", "samplers"]
     assert info["async_scheduling"] is True
     assert info["model_config"]["vocab_size"] == 96
+
+
+def test_info_reports_the_limits_that_run(service):
+    limits = service.info()["limits"]
+    assert (limits["max_num_batched_tokens"], limits["max_num_seqs"]) == (16, 4)  # not the 32 and 6 asked
+    assert limits == {"max_model_len": 64, "max_num_seqs": 4, "max_num_batched_tokens": 16, "max_queue": 64,
+                      "max_top_logprobs": 5}
 
 
 class CountingObserver(GateObserver):

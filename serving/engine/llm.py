@@ -12,8 +12,8 @@ import jax
 from shiftjax.checkpoints.default_model import default_model_path
 from shiftjax.checkpoints.load import load_tokenizer, load_weights, tokenizer_path_for
 from shiftjax.layouts.mesh import make_mesh
-from shiftjax.serving.engine.detokenizer import IncrementalDetokenizer
 from shiftjax.serving.engine.core import Engine, EngineConfig
+from shiftjax.serving.engine.output_processor import OutputProcessor
 from shiftjax.serving.engine.sampling_params import SamplingParams
 from shiftjax.serving.engine.scheduler import Request
 
@@ -88,45 +88,33 @@ class LLM:
                 requests.append(self.engine.add_request(prompt_ids, sampling))
         except Exception:  # one bad prompt fails the call and leaves nothing queued
             for request in requests:
-                self.engine.scheduler.abort(request)
+                self.engine.abort(request)
             raise
-        texts = self._run(requests)
+        outputs = self._run(requests)
         return [
-            Completion(prompt_ids=r.prompt_ids, output_ids=r.output_ids, text=texts[r][0],
-                       finish_reason=r.finish_reason, logprobs=r.output_logprobs, modes=r.modes,
-                       stop_reason=texts[r][1])
+            Completion(prompt_ids=r.prompt_ids, output_ids=r.output_ids, text=outputs[r][0],
+                       finish_reason=outputs[r][1].finish_reason, logprobs=r.output_logprobs, modes=r.modes,
+                       stop_reason=outputs[r][1].stop_reason)
             for r in requests
         ]
 
-    def _run(self, requests: list[Request]) -> dict[Request, tuple[str, int | str | None]]:
+    def _run(self, requests: list[Request]) -> dict[Request, tuple[str, OutputProcessor]]:
         """Steps until every request is done; stop strings end a request (and free its
-        pages) in the step whose text completes them. Returns each one's text and stop reason."""
-        watched = {r: (IncrementalDetokenizer(self.tokenizer, r.params.stop), []) for r in requests if r.params.stop}
+        pages) in the step whose text completes them. Returns each one's text and its
+        output processor (which holds the finish and stop reasons)."""
+        outputs = {r: OutputProcessor(self.tokenizer, r.params, stream=False) for r in requests}
+        pieces: dict[Request, list[str]] = {r: [] for r in requests}
         while not all(r.finished for r in requests):
-            if not self.engine.scheduler.has_work:
+            if not self.engine.has_work:
                 raise RuntimeError("requests are unfinished but the scheduler holds none")
             report = self.engine.run_step()
             if report is None:  # nothing in flight and nothing fits: it would never finish
                 raise RuntimeError("requests are unfinished but no step can be scheduled")
             for request, sampled in zip(report.requests, report.sampled):
-                if not sampled or request not in watched:
+                if not sampled or request not in outputs:
                     continue
-                detokenizer, pieces = watched[request]
-                pieces.append(detokenizer.push(request.output_ids[len(detokenizer.ids):]))
-                if detokenizer.stopped is not None:
-                    if request.finished:  # by length in the same step: the stop string wins
-                        request.finish_reason = "stop"
-                    else:
-                        self.engine.abort(request, "stop")
-        texts = {}
-        for r in requests:
-            stop_token = (r.output_ids[-1] if r.finish_reason == "stop" and r.output_ids
-                          and r.output_ids[-1] in r.params.stop_token_ids else None)  # None for EOS, as vLLM
-            if r in watched:
-                detokenizer, pieces = watched[r]
-                text = "".join(pieces) + detokenizer.finish()
-                texts[r] = (text, detokenizer.stopped if detokenizer.stopped is not None else stop_token)
-            else:
-                texts[r] = (self.tokenizer.decode(r.output_ids), stop_token)
-        return texts
-
+                delta = outputs[request].update(request)
+                pieces[request].append(delta.text)
+                if delta.finish_reason is not None and not request.finished:  # a stop string
+                    self.engine.abort(request, delta.finish_reason)
+        return {r: ("".join(pieces[r]), outputs[r]) for r in requests}

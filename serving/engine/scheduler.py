@@ -21,6 +21,7 @@ import itertools
 import numpy as np
 
 from shiftjax.batch import SAMPLING_FIELDS, StepBatch, empty_batch
+from shiftjax.serving.engine.admission import check_admission
 from shiftjax.serving.engine.page_allocator import OutOfPages, PageAllocator
 from shiftjax.serving.engine.sampling_params import SamplingParams
 
@@ -100,11 +101,16 @@ class SchedulerConfig:
     page_size: int
     num_pages: int
     max_queue: int = 1024
+    # admission's limits on a request (admission.py); None: not checked
+    vocab_size: int | None = None
+    max_top_logprobs: int | None = None  # alternatives a step returns per token
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "page_size", "max_queue"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.vocab_size is not None and self.vocab_size <= 0:
+            raise ValueError(f"vocab_size must be positive, got {self.vocab_size}")
         if self.num_pages < 2:
             raise ValueError("num_pages must be at least 2 (page 0 is scratch)")
 
@@ -148,18 +154,9 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, prompt_ids: list[int], params: SamplingParams, eos_token_ids=()) -> Request:
-        if not prompt_ids:
-            raise ValueError("prompt is empty: give at least one token")
-        limit = self.config.max_model_len
-        if len(prompt_ids) + params.max_tokens > limit:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len ({limit}); shorten the prompt or lower max_tokens"
-            )
-        if -(-(len(prompt_ids) + params.max_tokens) // self.config.page_size) > self.config.num_pages - 1:
-            raise ValueError(
-                f"prompt + max_tokens needs more KV-cache pages than the cache has "
-                f"({self.config.num_pages - 1} of {self.config.page_size} tokens)")
+        """Queues a request; :class:`InvalidRequest` for one that breaks an admission rule
+        (admission.check_admission), :class:`QueueFull` when the queue is at its bound."""
+        check_admission(prompt_ids, params, self.config)
         if len(self.waiting) >= self.config.max_queue:
             raise QueueFull(f"admission queue is full ({self.config.max_queue} requests)")
         request = Request(next(self._ids), list(prompt_ids), params,

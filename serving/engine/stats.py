@@ -1,9 +1,16 @@
-"""What the engine has done and holds, as one immutable snapshot: the only view of the
-engine's counters, queue and page pool that the service, metrics and ServerInfo read."""
+"""What the engine is and what it has done, as the service, metrics and ServerInfo see it:
+:func:`describe` (fixed once it has started: model, mesh, buckets, page pool, start-up,
+the limits that run) and ``engine.snapshot()`` (:class:`EngineSnapshot`: counters, queue
+and free pages, read when asked). Nothing outside the engine reads its internals."""
 
 from __future__ import annotations
 
 import dataclasses
+
+import jax
+
+from shiftjax.config import ModelConfig
+from shiftjax.serving.engine.scheduler import SchedulerConfig
 
 
 @dataclasses.dataclass
@@ -49,3 +56,59 @@ class EngineSnapshot:
     tokens: int
     steps_by_mode: dict[str, int]
     tokens_by_mode: dict[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineDescription:
+    """An engine as it runs, fixed once it has started (what ServerInfo and the start-up
+    report describe)."""
+
+    model: ModelConfig
+    sp: int
+    tp: int
+    mesh_axes: tuple[str, ...]
+    devices: int
+    platform: str
+    modes: tuple[str, ...]
+    async_scheduling: bool
+    token_buckets: tuple[int, ...]
+    seq_buckets: tuple[int, ...]
+    pool_sized_by: str  # "num_pages" | "memory" | "fallback"
+    pool_explanation: str
+    policy: str
+    shift_threshold: int | None
+    # the policy's timing table: (mode, tokens, seqs) -> seconds a step of that bucket took
+    run_seconds: dict[tuple[str, int, int], float]
+    executables: int
+    compile_seconds: float  # the wall time of start-up compiling, lowering included
+    compile_seconds_summed: float  # compile (or store load) time summed over executables
+    cache_hits: int  # executables from JAX's persistent compilation cache
+    loaded_from_store: int  # executables from the executable store
+    phase_seconds: dict[str, float]  # seconds per start-up phase, in order
+    limits: SchedulerConfig  # the limits that run (request_limits)
+
+
+def request_limits(engine) -> SchedulerConfig:
+    """``engine.limits`` (clamped to the bucket ladder, the page pool as sized) with the
+    vocabulary and the alternatives a step returns, which admission checks: the engine's
+    own where its scheduler config has them, else from its model and config."""
+    limits = engine.limits
+    if limits.vocab_size is None or limits.max_top_logprobs is None:
+        limits = dataclasses.replace(limits, vocab_size=engine.weights.config.vocab_size,
+                                     max_top_logprobs=engine.config.max_top_logprobs)
+    return limits
+
+
+def describe(engine) -> EngineDescription:
+    """``engine`` (a started :class:`Engine`) as an :class:`EngineDescription`."""
+    weights, executables, policy = engine.weights, engine.executables, engine.policy
+    return EngineDescription(
+        model=weights.config, sp=weights.dims.sp, tp=weights.dims.tp, mesh_axes=tuple(weights.mesh.axis_names),
+        devices=int(weights.mesh.size), platform=jax.devices()[0].platform, modes=tuple(engine.modes),
+        async_scheduling=engine.config.async_scheduling, token_buckets=tuple(executables.ladder.token_buckets),
+        seq_buckets=tuple(executables.ladder.seq_buckets), pool_sized_by=engine.page_pool.sized_by,
+        pool_explanation=engine.page_pool.explanation, policy=policy.policy, shift_threshold=policy.threshold, run_seconds=dict(executables.run_seconds),
+        executables=len(executables.compiled), compile_seconds=executables.wall_seconds,
+        compile_seconds_summed=engine.compile_seconds, cache_hits=executables.cache_hits,
+        loaded_from_store=executables.loaded_from_store, phase_seconds=dict(engine.startup_seconds),
+        limits=request_limits(engine))

@@ -9,19 +9,25 @@ front end maps them to its own status codes in one place.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Protocol
 
+from shiftjax.serving.engine.admission import checked_prompt_ids
 from shiftjax.serving.engine.errors import DeadlineExceeded, InvalidRequest, Overloaded, RequestFailed, Unavailable
+from shiftjax.serving.engine.output_processor import FINISH_LENGTH, FINISH_STOP
 from shiftjax.serving.engine.sampling_params import SamplingParams
 
-__all__ = ["DeadlineExceeded", "InvalidRequest", "Overloaded", "RequestFailed", "Unavailable"]  # re-exported
+__all__ = ["DeadlineExceeded", "InvalidRequest", "Overloaded", "RequestFailed", "Unavailable",  # re-exported
+           "FINISH_LENGTH", "FINISH_STOP", "prompt_ids_or_error"]
 
-# Finish reasons, as the OpenAI API and vLLM spell them, plus those a server needs.
-# AsyncEngineService ends no stream with the last two (it raises RequestFailed or
-# DeadlineExceeded); its observer, and so the metrics, still hear them by name.
-FINISH_STOP = "stop"  # end-of-sequence token, a stop token id or a stop string
-FINISH_LENGTH = "length"  # max_tokens reached
+# ``ids`` as a tuple, or InvalidRequest naming the field (default ``prompt_ids``): the
+# admission rule for a prompt, which the front ends apply to the prompts they tokenize.
+prompt_ids_or_error = checked_prompt_ids
+
+# Finish reasons: the engine's (output_processor.py: FINISH_STOP, FINISH_LENGTH, as the
+# OpenAI API and vLLM spell them), plus those a server needs. AsyncEngineService ends no
+# stream with the last two (it raises RequestFailed or DeadlineExceeded); its observer, and
+# so the metrics, still hear them by name.
 FINISH_ABORT = "abort"  # cancelled, client gone, server shutting down
 FINISH_ERROR = "error"  # an internal error failed this request alone
 FINISH_DEADLINE = "deadline"  # the request's deadline passed first
@@ -133,16 +139,6 @@ class EngineService(Protocol):
         at the step's end, ``mode``, ``num_tokens``, ``num_seqs``, ``running``, ``waiting``,
         ``seconds``; a data-parallel front adds each step's ``replica``."""
         ...
-
-
-def prompt_ids_or_error(ids: Sequence[int], vocab_size: int, field: str = "prompt_ids") -> tuple[int, ...]:
-    """``ids`` as a tuple, or :class:`InvalidRequest` naming ``field``."""
-    if len(ids) == 0:
-        raise InvalidRequest(field, "the prompt is empty; give at least one token")
-    for i, token in enumerate(ids):
-        if not 0 <= int(token) < vocab_size:
-            raise InvalidRequest(field, f"token id {token} at position {i} is outside the vocabulary [0, {vocab_size})")
-    return tuple(int(t) for t in ids)
 
 
 class EngineObserver(Protocol):

@@ -4,8 +4,9 @@ The engine runs in its own thread (DESIGN.md, "Engine and server"). ``submit`` v
 request at once on the caller's thread, puts it in an inbox and returns an async iterator;
 the engine thread takes the inbox, cancellations and expired deadlines *before* every
 schedule (so an aborted request's pages are free for the very next step), runs a step,
-turns its results into one :class:`Delta` per request (detokenized, stop strings applied)
-and hands each loop its deltas with one ``call_soon_threadsafe`` per step. The per-request
+turns its results into one :class:`Delta` per request (detokenized, stop strings applied,
+by the output processor ``LLM.generate`` uses too: ``engine/output_processor.py``) and
+hands each loop its deltas with one ``call_soon_threadsafe`` per step. The per-request
 ``asyncio.Queue`` needs no bound: the engine adds at most one delta per step per request.
 
 With async scheduling (the engine's default) the thread launches step N+1 before it
@@ -19,7 +20,6 @@ is finished before N+1 is scheduled, and its deltas are made while N+1 runs.
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
 import threading
@@ -27,25 +27,23 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Callable
 
-from shiftjax.serving.engine.detokenizer import IncrementalDetokenizer
 from shiftjax.serving.engine.core import Engine, StepFailed, StepReport
 from shiftjax.serving.engine.errors import DeadlineExceeded, InvalidRequest, Overloaded, RequestFailed, Unavailable
-from shiftjax.serving.server.live_request import LiveRequest
+from shiftjax.serving.engine.output_processor import OutputProcessor
+from shiftjax.serving.engine.scheduler import Request
+from shiftjax.serving.engine.stats import EngineSnapshot, describe, request_limits
 from shiftjax.serving.server.protocol import (
     FINISH_ABORT,
     FINISH_DEADLINE,
     FINISH_ERROR,
-    FINISH_STOP,
     Delta,
     GenerationRequest,
     ServiceStats,
-    TokenLogprob,
 )
-from shiftjax.serving.engine.scheduler import Request
-from shiftjax.serving.server.service_info import service_info
+from shiftjax.serving.server.live_request import LiveRequest, Outbox
+from shiftjax.serving.server.service_info import StepTrace, service_info, service_stats
 from shiftjax.serving.server.validation import validate_request
 
-STEP_TRACE_STEPS = 20_000  # about a minute of steps at 3 ms each; a few MB of JSON at most
 # A device error that outlives the engine's recovery (a CUDA context lost to an Xid, or the
 # one-shot collectives' trap after the other GPU's step failed) fails every step after it:
 # after this many failed steps in a row, none finished between them, the service stops
@@ -83,10 +81,7 @@ class AsyncEngineService:
         self._by_request: dict[Request, LiveRequest] = {}
         self._ids = itertools.count()
         self._ready = threading.Event()
-        # The last steps, for time lines (ServerInfo include_step_trace): bounded, and
-        # guarded because the engine thread appends while a front end copies.
-        self._step_trace: collections.deque[dict] = collections.deque(maxlen=STEP_TRACE_STEPS)
-        self._step_trace_lock = threading.Lock()
+        self._step_trace = StepTrace()
         self._startup_error: BaseException | None = None
         self._failed_steps = 0  # in a row, on the engine thread
         self._broken: str | None = None  # why the service gave up (FAILED_STEPS_BEFORE_UNHEALTHY)
@@ -117,11 +112,11 @@ class AsyncEngineService:
             raise Unavailable("the server is shutting down and takes no new requests")
         if not self.ready:
             raise Unavailable("the engine is still starting (compiling its executables); retry shortly")
-        validate_request(self.engine, request)
+        validate_request(request_limits(self.engine), request)
         loop = asyncio.get_running_loop()
         with self._wake:
-            waiting = len(self._inbox) + len(self.engine.scheduler.waiting)
-            limit = self._max_waiting or self.engine.config.max_queue
+            waiting = len(self._inbox) + self.engine.snapshot().waiting
+            limit = self._max_waiting or self.engine.limits.max_queue
             if waiting >= limit:
                 raise Overloaded(f"the waiting queue is full ({limit} requests); retry later")
             request_id = request.request_id or f"req-{next(self._ids)}"
@@ -131,29 +126,12 @@ class AsyncEngineService:
             self._live[request_id] = live
             self._inbox.append(live)
             self._wake.notify()
-        stream = self._deltas(live)
+        stream = live.stream(self._stream_closed)
         # Dropped unfinished, even never iterated, the request is cancelled: an async generator
         # that never started runs no ``finally`` when collected (a no-op once it has ended,
         # even if a new request has taken its id).
         weakref.finalize(stream, self._stream_closed, live)
         return stream
-
-    async def _deltas(self, live: LiveRequest):
-        ended = False
-        try:
-            while True:
-                item = await live.queue.get()
-                if isinstance(item, BaseException):
-                    ended = True
-                    raise item
-                if item.finish_reason is not None:
-                    ended = True
-                yield item
-                if ended:
-                    return
-        finally:
-            if not ended:  # closed early, or the consuming task was cancelled
-                self._stream_closed(live)
 
     def cancel(self, request_id: str) -> bool:
         with self._wake:
@@ -178,24 +156,15 @@ class AsyncEngineService:
                 self._wake.notify()
 
     def stats(self) -> ServiceStats:
-        engine = self.engine
-        if engine is None or not self._started:
-            return ServiceStats(running=0, waiting=len(self._inbox), num_pages=0, free_pages=0, steps=0,
-                                switches=0, preemptions=0, tokens_by_mode={}, steps_by_mode={},
-                                ready=False, draining=self._draining)
-        snapshot, broken = engine.snapshot(), self._broken  # read once: ready and error agree
-        return ServiceStats(
-            running=snapshot.running, waiting=snapshot.waiting + len(self._inbox),
-            num_pages=snapshot.num_pages, free_pages=snapshot.free_pages,
-            steps=snapshot.steps, switches=snapshot.switches,
-            preemptions=snapshot.preemptions, tokens_by_mode=snapshot.tokens_by_mode,
-            steps_by_mode=snapshot.steps_by_mode, ready=broken is None, draining=self._draining,
-            error=broken)
+        started = self.engine is not None and self._started
+        broken = self._broken  # read once: ready and error agree
+        return service_stats(self.engine.snapshot() if started else None, inbox=len(self._inbox),
+                             draining=self._draining, error=broken)
 
     def info(self) -> dict:
         if not self._started:
             return {"model": self.model_name, "ready": False, **self.details}
-        return service_info(self.engine, self.model_name, self.stats()) | self.details
+        return service_info(describe(self.engine), self.model_name, self.stats()) | self.details
 
     async def drain(self, grace_seconds: float | int) -> int:
         """Takes no new requests (:class:`Unavailable`), lets running ones finish for up to
@@ -229,23 +198,23 @@ class AsyncEngineService:
                 self._ready.set()
                 return
         self._ready.set()
-        executables = self.engine.executables
-        self._observe("on_startup", compile_seconds=executables.wall_seconds,
-                      executables=len(executables.compiled), cache_hits=executables.cache_hits)
+        started = describe(self.engine)
+        self._observe("on_startup", compile_seconds=started.compile_seconds, executables=started.executables,
+                      cache_hits=started.cache_hits)
         # Each pass takes admissions and cancellations, then one turn of the engine's step
         # pipeline: with async scheduling it launches step N+1 before it finishes N, so the
         # deltas of N are made while the devices run N+1.
         while True:
             with self._wake:
                 while not (self.engine.has_step_in_flight or self._inbox or self._cancels or self._stopping
-                           or self.engine.scheduler.has_work):
+                           or self.engine.has_work):
                     self._wake.wait(self._seconds_to_next_deadline())
                     if self._expired():
                         break
                 inbox, self._inbox = self._inbox, []
                 cancels, self._cancels = self._cancels, []
                 stopping = self._stopping
-            outgoing: dict[asyncio.AbstractEventLoop, list] = {}
+            outgoing = Outbox()
             try:
                 if stopping:
                     for live in list(self._live.values()):
@@ -259,7 +228,7 @@ class AsyncEngineService:
                 for live in list(self._live.values()):
                     self._fail(live, outgoing)
                 self._step_failed(error)
-            self._send(outgoing)
+            outgoing.send()
             if stopping:
                 return
 
@@ -271,7 +240,7 @@ class AsyncEngineService:
         now = time.monotonic()
         return any(live.past_deadline(now) for live in self._live.values())
 
-    def _take(self, inbox: list[LiveRequest], cancels: list[LiveRequest], outgoing: dict) -> None:
+    def _take(self, inbox: list[LiveRequest], cancels: list[LiveRequest], outgoing: Outbox) -> None:
         """Admissions, then cancellations, then expired deadlines, before the next schedule:
         a cancel or drain taken in the same pass as an expiry it came after is still an abort,
         since the caller asked for that end (:meth:`cancel`)."""
@@ -281,7 +250,7 @@ class AsyncEngineService:
             try:
                 params = live.request.params
                 live.engine_request = self.engine.add_request(list(live.request.prompt_ids), params)
-                live.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+                live.output = OutputProcessor(self.tokenizer, params)
                 self._by_request[live.engine_request] = live
             except Exception as error:  # validated already; a race with the queue bound
                 log.warning("request %s refused at admission: %s", live.request_id, error)
@@ -294,14 +263,15 @@ class AsyncEngineService:
             if live.past_deadline(now):
                 self._expire(live, outgoing)
 
-    def _turn(self, outgoing: dict) -> None:
+    def _turn(self, outgoing: Outbox) -> None:
         """One turn of the engine's pipeline, and its bookkeeping: preemptions, first
         schedule times, the step's metrics and trace, failed requests, then the deltas."""
-        if not (self.engine.has_step_in_flight or self.engine.scheduler.has_work):
+        if not (self.engine.has_step_in_flight or self.engine.has_work):
             return
-        preemptions = self.engine.scheduler.num_preemptions
+        preemptions = self.engine.snapshot().preemptions
         turn = self.engine.advance()
-        for _ in range(self.engine.scheduler.num_preemptions - preemptions):
+        after = self.engine.snapshot()
+        for _ in range(after.preemptions - preemptions):
             self._observe("on_preemption")
         if turn is None:
             return
@@ -314,7 +284,7 @@ class AsyncEngineService:
         report = turn.finished
         if report is not None:
             self._failed_steps = 0
-            self._record(report)
+            self._record(report, after)
             self._make_deltas(report, outgoing)  # first: a request the failed launch fails keeps these
         for failure in turn.failed:
             self._fail_step(failure, outgoing)
@@ -333,99 +303,71 @@ class AsyncEngineService:
                             f"restart the server")
             log.critical("%s; health NOT_SERVING, new requests refused", self._broken)
 
-    def _record(self, report: StepReport) -> None:
-        """The step's metrics and its line in the step trace."""
+    def _record(self, report: StepReport, engine: EngineSnapshot) -> None:
+        """The step's metrics and its line in the step trace (``engine`` as the step left it)."""
         self._observe("on_step", mode=report.mode, num_tokens=report.num_tokens, num_seqs=len(report.requests),
                       seconds=report.seconds, switched=report.switched)
-        scheduler = self.engine.scheduler
-        step = {"time": time.time(), "mode": report.mode, "num_tokens": report.num_tokens,
-                "num_seqs": len(report.requests), "running": len(scheduler.running),
-                "waiting": len(scheduler.waiting) + len(self._inbox), "seconds": report.seconds}
-        with self._step_trace_lock:
-            self._step_trace.append(step)
+        self._step_trace.append({"time": time.time(), "mode": report.mode, "num_tokens": report.num_tokens,
+                                 "num_seqs": len(report.requests), "running": engine.running,
+                                 "waiting": engine.waiting + len(self._inbox), "seconds": report.seconds})
 
     def step_trace(self) -> list[dict]:
-        """The last ``STEP_TRACE_STEPS`` steps, oldest first: Unix ``time`` at the step's
-        end, ``mode``, ``num_tokens``, ``num_seqs``, ``running``, ``waiting``, ``seconds``."""
-        with self._step_trace_lock:
-            return list(self._step_trace)
+        """The last steps (``service_info.StepTrace``), oldest first: Unix ``time`` at the
+        step's end, ``mode``, ``num_tokens``, ``num_seqs``, ``running``, ``waiting``, ``seconds``."""
+        return self._step_trace.steps()
 
-    def _fail_step(self, failure: StepFailed, outgoing: dict) -> None:
+    def _fail_step(self, failure: StepFailed, outgoing: Outbox) -> None:
         log.error("a step failed; failing its %d requests", len(failure.requests), exc_info=failure)
         for request in failure.requests:
             live = self._by_request.get(request)
             if live is not None:
                 self._fail(live, outgoing)
 
-    def _make_deltas(self, report: StepReport, outgoing: dict) -> None:
+    def _make_deltas(self, report: StepReport, outgoing: Outbox) -> None:
         now = time.monotonic()
-        finished = set(report.finished)
         for request, sampled in zip(report.requests, report.sampled):
             live = self._by_request.get(request)
             if live is None or live.done or not sampled:
                 continue
             try:
-                self._emit(live, request, request in finished, now, outgoing)
+                self._emit(live, request, now, outgoing)
             except Exception:  # this request alone fails (say, its detokenizer)
                 log.exception("request %s failed", live.request_id)
                 self._fail(live, outgoing)
 
-    def _emit(self, live: LiveRequest, request: Request, finished: bool, now: float, outgoing: dict) -> None:
-        new_ids = request.output_ids[live.sent:]
-        first = live.sent
-        live.sent = len(request.output_ids)
-        text = live.detokenizer.push(new_ids)
-        if self._observer is not None:
-            for i in range(len(new_ids)):
-                since = live.submitted if live.first_token is None and i == 0 else (live.last_token or now)
-                self._observe("on_token", first=live.first_token is None and i == 0,
-                              seconds_since_previous=now - since)
-        live.first_token = live.first_token or now
-        live.last_token = now
-        params = live.request.params
-        logprobs = ()
-        if params.logprobs:
-            tops = request.output_top_logprobs[first:] if params.top_logprobs else [()] * len(new_ids)
-            logprobs = tuple(TokenLogprob(t, lp, top) for t, lp, top in
-                             zip(new_ids, request.output_logprobs[first:], tops))
-        reason = stop_reason = None
-        if live.detokenizer.stopped is not None:
-            reason, stop_reason = FINISH_STOP, live.detokenizer.stopped
-        elif finished:
-            reason = request.finish_reason
-            # as vLLM: the id of a stop_token_ids match, None for the model's own EOS
-            stop_reason = new_ids[-1] if reason == FINISH_STOP and new_ids[-1] in params.stop_token_ids else None
-            text += live.detokenizer.finish()
-        delta = Delta(live.request_id, tuple(new_ids), text, logprobs)
-        if reason is None:
-            self._queue(live, delta, outgoing)
+    def _emit(self, live: LiveRequest, request: Request, now: float, outgoing: Outbox) -> None:
+        delta, output = live.next_delta(request)
+        for first, seconds in live.token_arrivals(len(delta.token_ids), now):
+            self._observe("on_token", first=first, seconds_since_previous=seconds)
+        if output.finish_reason is None:
+            outgoing.put(live, delta)
         else:
-            self._end(live, reason, outgoing, delta, stop_reason)
+            self._end(live, output.finish_reason, outgoing, delta, output.stop_reason)
 
-    def _end(self, live: LiveRequest, reason: str, outgoing: dict, delta: Delta | None = None,
+    def _end(self, live: LiveRequest, reason: str, outgoing: Outbox, delta: Delta | None = None,
              stop_reason: int | str | None = None) -> None:
         """Finishes a request: frees its pages now, streams the last delta with usage."""
         self._forget(live, reason)
         usage = live.usage()
         delta = delta or Delta(live.request_id)
-        self._queue(live, Delta(delta.request_id, delta.token_ids, delta.text, delta.logprobs,
-                                finish_reason=reason, stop_reason=stop_reason, usage=usage), outgoing)
+        outgoing.put(live, Delta(delta.request_id, delta.token_ids, delta.text, delta.logprobs,
+                                 finish_reason=reason, stop_reason=stop_reason, usage=usage))
         self._observe("on_finish", usage=usage, finish_reason=reason)
 
-    def _fail(self, live: LiveRequest, outgoing: dict, error: Exception | None = None) -> None:
+    def _fail(self, live: LiveRequest, outgoing: Outbox, error: Exception | None = None) -> None:
         if live.done:
             return
         self._forget(live, FINISH_ERROR)
-        self._queue(live, error or RequestFailed(f"request {live.request_id} failed inside the engine; "
-                                                 f"see the server log"), outgoing)
+        outgoing.put(live, error or RequestFailed(f"request {live.request_id} failed inside the engine; "
+                                                  f"see the server log"))
         self._observe("on_finish", usage=live.usage(), finish_reason=FINISH_ERROR)
 
-    def _expire(self, live: LiveRequest, outgoing: dict) -> None:
+    def _expire(self, live: LiveRequest, outgoing: Outbox) -> None:
         """Ends a request whose deadline passed: pages freed now, its stream raises."""
         self._forget(live, FINISH_DEADLINE)
-        self._queue(live, DeadlineExceeded(
+        outgoing.put(live, DeadlineExceeded(
             f"request {live.request_id} passed its deadline after {live.sent} of "
-            f"{live.request.params.max_tokens} output tokens; allow more time or ask for fewer tokens"), outgoing)
+            f"{live.request.params.max_tokens} output tokens; allow more time or ask for fewer tokens"))
         self._observe("on_finish", usage=live.usage(), finish_reason=FINISH_DEADLINE)
 
     def _forget(self, live: LiveRequest, reason: str) -> None:
@@ -447,18 +389,3 @@ class AsyncEngineService:
         except Exception:
             log.exception("observer %s failed", hook)
 
-    @staticmethod
-    def _queue(live: LiveRequest, item, outgoing: dict) -> None:
-        outgoing.setdefault(live.loop, []).append((live.queue, item))
-
-    def _send(self, outgoing: dict) -> None:
-        for loop, items in outgoing.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # the caller's loop is closed: nobody is listening
-                log.warning("an event loop closed with %d deltas undelivered", len(items))
-
-
-def _deliver(items) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)

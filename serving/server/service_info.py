@@ -2,48 +2,78 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import threading
 
-import jax
-
-from shiftjax.serving.engine.core import Engine
+from shiftjax.serving.engine.stats import EngineDescription, EngineSnapshot
 from shiftjax.serving.server.protocol import ServiceStats
 
 
-def service_info(engine: Engine, model_name: str, stats: ServiceStats) -> dict:
+def service_info(engine: EngineDescription, model_name: str, stats: ServiceStats) -> dict:
     """Model, config, mesh, modes, buckets, page pool, shift policy and its timing table,
-    start-up compile figures and limits; every value JSON-serialisable."""
-    model = engine.weights.config
-    mesh = engine.weights.mesh
-    config = engine.config
-    executables = engine.executables
-    policy = engine.policy
+    start-up compile figures and the limits that run (``engine`` is ``stats.describe`` of
+    the engine); every value JSON-serialisable."""
+    limits = engine.limits
     return {
         "model": model_name,
         "ready": stats.ready,
         **({"error": stats.error} if stats.error else {}),
-        "model_config": _plain(dataclasses.asdict(model)),
-        "mesh": {"sp": engine.weights.dims.sp, "tp": engine.weights.dims.tp,
-                 "axes": list(mesh.axis_names), "devices": int(mesh.size),
-                 "platform": jax.devices()[0].platform},
+        "model_config": _plain(dataclasses.asdict(engine.model)),
+        "mesh": {"sp": engine.sp, "tp": engine.tp, "axes": list(engine.mesh_axes), "devices": engine.devices,
+                 "platform": engine.platform},
         "modes": list(engine.modes),
-        "async_scheduling": config.async_scheduling,
-        "buckets": {"tokens": list(executables.ladder.token_buckets),
-                    "seqs": list(executables.ladder.seq_buckets)},
+        "async_scheduling": engine.async_scheduling,
+        "buckets": {"tokens": list(engine.token_buckets), "seqs": list(engine.seq_buckets)},
         "page_pool": {"num_pages": stats.num_pages, "free_pages": stats.free_pages,
-                      "page_size": config.page_size, "sized_by": engine.page_pool.sized_by,
-                      "explanation": engine.page_pool.explanation},
-        "policy": {"name": policy.policy, "threshold": policy.threshold,
+                      "page_size": limits.page_size, "sized_by": engine.pool_sized_by,
+                      "explanation": engine.pool_explanation},
+        "policy": {"name": engine.policy, "threshold": engine.shift_threshold,
                    "timing": [{"mode": mode, "tokens": tokens, "seqs": seqs, "seconds": seconds}
-                              for (mode, tokens, seqs), seconds in sorted(executables.run_seconds.items())]},
-        "startup": {"executables": len(executables.compiled), "compile_seconds": executables.wall_seconds,
-                    "compile_seconds_summed": engine.compile_seconds, "cache_hits": executables.cache_hits,
-                    "loaded_from_store": executables.loaded_from_store,
-                    "phase_seconds": dict(engine.startup_seconds)},
-        "limits": {"max_model_len": config.max_model_len, "max_num_seqs": config.max_num_seqs,
-                   "max_num_batched_tokens": config.max_num_batched_tokens, "max_queue": config.max_queue,
-                   "max_top_logprobs": config.max_top_logprobs},
+                              for (mode, tokens, seqs), seconds in sorted(engine.run_seconds.items())]},
+        "startup": {"executables": engine.executables, "compile_seconds": engine.compile_seconds,
+                    "compile_seconds_summed": engine.compile_seconds_summed, "cache_hits": engine.cache_hits,
+                    "loaded_from_store": engine.loaded_from_store, "phase_seconds": dict(engine.phase_seconds)},
+        "limits": {"max_model_len": limits.max_model_len, "max_num_seqs": limits.max_num_seqs,
+                   "max_num_batched_tokens": limits.max_num_batched_tokens, "max_queue": limits.max_queue,
+                   "max_top_logprobs": limits.max_top_logprobs},
     }
+
+
+def service_stats(engine: EngineSnapshot | None, *, inbox: int, draining: bool, error: str | None) -> ServiceStats:
+    """The service's stats from the engine's snapshot (None while it starts: nothing runs,
+    not ready) and its own state: ``inbox`` requests submitted but not yet taken by the
+    engine thread (counted as waiting), draining, the error that made it unready."""
+    if engine is None:
+        return ServiceStats(running=0, waiting=inbox, num_pages=0, free_pages=0, steps=0, switches=0,
+                            preemptions=0, tokens_by_mode={}, steps_by_mode={}, ready=False, draining=draining)
+    return ServiceStats(
+        running=engine.running, waiting=engine.waiting + inbox, num_pages=engine.num_pages,
+        free_pages=engine.free_pages, steps=engine.steps, switches=engine.switches,
+        preemptions=engine.preemptions, tokens_by_mode=engine.tokens_by_mode,
+        steps_by_mode=engine.steps_by_mode, ready=error is None, draining=draining, error=error)
+
+
+STEP_TRACE_STEPS = 20_000  # about a minute of steps at 3 ms each; a few MB of JSON at most
+
+
+class StepTrace:
+    """The last ``STEP_TRACE_STEPS`` steps, for time lines (ServerInfo's
+    ``include_step_trace``): bounded, and guarded because the engine thread appends while
+    a front end copies."""
+
+    def __init__(self, size: int = STEP_TRACE_STEPS):
+        self._steps: collections.deque[dict] = collections.deque(maxlen=size)
+        self._lock = threading.Lock()
+
+    def append(self, step: dict) -> None:
+        with self._lock:
+            self._steps.append(step)
+
+    def steps(self) -> list[dict]:
+        """Oldest first."""
+        with self._lock:
+            return list(self._steps)
 
 
 def _plain(value):
