@@ -103,7 +103,8 @@ def build(weights: ModelWeights, config: EngineConfig, report: Report,
             max_num_batched_tokens=min(config.max_num_batched_tokens, ladder.token_buckets[-1]),
             max_num_seqs=min(config.max_num_seqs, ladder.max_seqs()),  # so that every step fits a bucket
             max_model_len=config.max_model_len, page_size=config.page_size,
-            num_pages=page_pool.num_pages, max_queue=config.max_queue))
+            num_pages=page_pool.num_pages, max_queue=config.max_queue,
+            enable_prefix_caching=config.enable_prefix_caching))
 
         def allocate_caches():
             return geometry.allocate(mesh, page_pool.num_pages)
@@ -111,7 +112,8 @@ def build(weights: ModelWeights, config: EngineConfig, report: Report,
         caches = jax.block_until_ready(allocate_caches())  # the fill, not its dispatch
     limits = scheduler.config
     report(f"limits: {limits.max_num_batched_tokens} tokens and {limits.max_num_seqs} sequences a step, "
-           f"{limits.max_model_len} tokens a sequence, {limits.num_pages - 1} pages of {limits.page_size} tokens")
+           f"{limits.max_model_len} tokens a sequence, {limits.num_pages - 1} pages of {limits.page_size} tokens; "
+           f"prefix caching {'on' if limits.enable_prefix_caching else 'off'}")
     executables = _compile(weights, caches, ladder, modes, options, store, config, report)
     phase.seconds["executables"] = executables.wall_seconds
     if executables.stored_keys:

@@ -42,6 +42,8 @@ class EngineConfig:
     executable_store: str | None = None
     # dispatch step N+1 before waiting for step N (host work overlaps the devices' work)
     async_scheduling: bool = True
+    # share the K/V of full prompt pages across requests (prefix_cache.py)
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         if self.max_model_len <= 0:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from shiftjax.serving.engine import builder
 from shiftjax.serving.engine.config import EngineConfig
+from shiftjax.serving.engine.prefix_cache import cache_key
 from shiftjax.serving.engine.runner import LaunchedStep
 from shiftjax.serving.engine.sampling_params import SamplingParams
 from shiftjax.serving.engine.scheduler import Request, SchedulerConfig
@@ -142,12 +143,19 @@ class Engine:
             steps=counters.steps, switches=counters.switches, tokens=counters.tokens,
             steps_by_mode=dict(counters.steps_by_mode), tokens_by_mode=dict(counters.tokens_by_mode))
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> Request:
+        """Queues a request (``cache_salt``: it shares cached prompt pages only with requests
+        of the same salt)."""
         vocab = self.weights.config.vocab_size
         bad = [t for t in prompt_ids if not 0 <= int(t) < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        return self.scheduler.add(prompt_ids, params, self.eos_token_ids)
+        return self.scheduler.add(prompt_ids, params, self.eos_token_ids, cache_salt)
+
+    def cached_prefix_tokens(self, prompt_ids: list[int], cache_salt: str | None = None) -> int:
+        """Prompt tokens of ``prompt_ids`` the prefix cache holds now (a probe for routing;
+        safe from another thread: it reads, and a stale answer only routes worse)."""
+        return self.scheduler.prefix_cache.cached_tokens(list(prompt_ids), cache_key(cache_salt))
 
     def abort(self, request: Request, reason: str = "aborted") -> None:
         """Ends ``request`` now and frees its pages (before the next schedule)."""
@@ -245,7 +253,7 @@ class Engine:
         except BaseException as error:  # an interrupt too: nothing may stay scheduled but unlaunched
             self.scheduler.forget(scheduled)
             if self.runner.recover_caches():
-                self.scheduler.preempt_all()
+                self.scheduler.preempt_all(caches_lost=True)
             if not isinstance(error, Exception):
                 raise
             raise StepFailed(scheduled.requests) from error
@@ -278,5 +286,5 @@ class Engine:
         """Forgets every step in flight: running requests go back to the queue (their
         commits, when they come, change nothing) and recompute what they had cached."""
         self.runner.forget_launched(new_caches)
-        self.scheduler.preempt_all()
+        self.scheduler.preempt_all(caches_lost=new_caches)
         self._in_flight = None

@@ -23,6 +23,7 @@ import numpy as np
 from shiftjax.batch import SAMPLING_FIELDS, StepBatch, empty_batch
 from shiftjax.serving.engine.admission import check_admission
 from shiftjax.serving.engine.page_allocator import OutOfPages, PageAllocator
+from shiftjax.serving.engine.prefix_cache import PrefixCache, cache_key
 from shiftjax.serving.engine.sampling_params import SamplingParams
 
 
@@ -48,6 +49,14 @@ class Request:
     finish_reason: str | None = None
     modes: list[str] = dataclasses.field(default_factory=list)  # mode of every step it ran in
     preemptions: int = 0
+    # prefix caching (prefix_cache.py): the hash key of its cache salt, the block hashes of
+    # its full pages so far, how many of its pages are named, whether its first admission
+    # looked the cache up, and the prompt tokens that lookup found cached
+    cache_key: bytes = b""
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list, repr=False)
+    num_registered: int = 0
+    prefix_checked: bool = False
+    num_cached_tokens: int = 0
     _page_array: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def page_array(self) -> np.ndarray:
@@ -101,6 +110,7 @@ class SchedulerConfig:
     page_size: int
     num_pages: int
     max_queue: int = 1024
+    enable_prefix_caching: bool = False  # share full prompt pages across requests (prefix_cache.py)
     # admission's limits on a request (admission.py); None: not checked
     vocab_size: int | None = None
     max_top_logprobs: int | None = None  # alternatives a step returns per token
@@ -145,7 +155,8 @@ class ScheduledStep:
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.allocator = PageAllocator(config.num_pages)
+        self.allocator = PageAllocator(config.num_pages, caching=config.enable_prefix_caching)
+        self.prefix_cache = PrefixCache(self.allocator, config.page_size)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
@@ -153,14 +164,15 @@ class Scheduler:
         self._step_ids = itertools.count()
         self.num_preemptions = 0
 
-    def add(self, prompt_ids: list[int], params: SamplingParams, eos_token_ids=()) -> Request:
+    def add(self, prompt_ids: list[int], params: SamplingParams, eos_token_ids=(),
+            cache_salt: str | None = None) -> Request:
         """Queues a request; :class:`InvalidRequest` for one that breaks an admission rule
         (admission.check_admission), :class:`QueueFull` when the queue is at its bound."""
         check_admission(prompt_ids, params, self.config)
         if len(self.waiting) >= self.config.max_queue:
             raise QueueFull(f"admission queue is full ({self.config.max_queue} requests)")
         request = Request(next(self._ids), list(prompt_ids), params,
-                          () if params.ignore_eos else tuple(eos_token_ids))
+                          () if params.ignore_eos else tuple(eos_token_ids), cache_key=cache_key(cache_salt))
         self.waiting.append(request)
         return request
 
@@ -203,8 +215,10 @@ class Scheduler:
                 budget -= size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            self.prefix_cache.take(request)
             size = min(request.num_tokens - request.num_scheduled, budget)
             if not self._reserve(request, size, preempt=False):
+                self.prefix_cache.give_back(request)
                 break
             self.waiting.popleft()
             self.running.append(request)
@@ -240,10 +254,13 @@ class Scheduler:
             if request in self.running and request.preemptions == step.preemptions[b]:
                 self._preempt(request)
 
-    def preempt_all(self) -> None:
-        """Returns every running request to the queue to recompute (the caches were lost)."""
+    def preempt_all(self, caches_lost: bool = False) -> None:
+        """Returns every running request to the queue to recompute; with ``caches_lost``
+        (the caches were reallocated) the prefix cache forgets every page too."""
         for request in reversed(list(self.running)):
             self._preempt(request)
+        if caches_lost:
+            self.prefix_cache.forget()
 
     def _preempt(self, request: Request) -> None:
         """Back to the queue with nothing cached. Tokens of uncommitted steps are forgotten
@@ -259,6 +276,7 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self.allocator.free(request.pages)
         request.pages = []
+        request.num_registered = 0
         request._page_array = None
         if request in self.running:
             self.running.remove(request)
@@ -348,6 +366,7 @@ class Scheduler:
             request.num_computed += size
             request.num_in_flight -= size
             request.modes.append(mode)
+            self.prefix_cache.register(request)
             if not step.samples[b]:
                 continue
             request.num_pending -= 1
