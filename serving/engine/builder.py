@@ -104,6 +104,7 @@ def build(weights: ModelWeights, config: EngineConfig, report: Report,
             max_num_seqs=min(config.max_num_seqs, ladder.max_seqs()),  # so that every step fits a bucket
             max_model_len=config.max_model_len, page_size=config.page_size,
             num_pages=page_pool.num_pages, max_queue=config.max_queue,
+            vocab_size=model.vocab_size, max_top_logprobs=config.max_top_logprobs,
             enable_prefix_caching=config.enable_prefix_caching))
 
         def allocate_caches():

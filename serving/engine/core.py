@@ -137,19 +137,18 @@ class Engine:
 
     def snapshot(self) -> EngineSnapshot:
         scheduler, counters = self.scheduler, self.counters
+        allocator, prefix = scheduler.allocator, scheduler.prefix_cache
         return EngineSnapshot(
             running=len(scheduler.running), waiting=len(scheduler.waiting), num_pages=self.num_pages - 1,
-            free_pages=scheduler.allocator.num_free, preemptions=scheduler.num_preemptions,
+            free_pages=allocator.num_free, preemptions=scheduler.num_preemptions,
             steps=counters.steps, switches=counters.switches, tokens=counters.tokens,
-            steps_by_mode=dict(counters.steps_by_mode), tokens_by_mode=dict(counters.tokens_by_mode))
+            steps_by_mode=dict(counters.steps_by_mode), tokens_by_mode=dict(counters.tokens_by_mode),
+            prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
+            cached_pages=allocator.num_cached, evicted_pages=allocator.num_evicted)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> Request:
         """Queues a request (``cache_salt``: it shares cached prompt pages only with requests
-        of the same salt)."""
-        vocab = self.weights.config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= int(t) < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        of the same salt); :class:`InvalidRequest` for one that breaks an admission rule."""
         return self.scheduler.add(prompt_ids, params, self.eos_token_ids, cache_salt)
 
     def cached_prefix_tokens(self, prompt_ids: list[int], cache_salt: str | None = None) -> int:

@@ -56,6 +56,16 @@ class EngineSnapshot:
     tokens: int
     steps_by_mode: dict[str, int]
     tokens_by_mode: dict[str, int]
+    # the prefix cache: prompt tokens looked up and found (at each request's first
+    # admission), pages a block hash names (shared, or free to reuse), pages evicted
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    cached_pages: int = 0
+    evicted_pages: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,18 +95,7 @@ class EngineDescription:
     cache_hits: int  # executables from JAX's persistent compilation cache
     loaded_from_store: int  # executables from the executable store
     phase_seconds: dict[str, float]  # seconds per start-up phase, in order
-    limits: SchedulerConfig  # the limits that run (request_limits)
-
-
-def request_limits(engine) -> SchedulerConfig:
-    """``engine.limits`` (clamped to the bucket ladder, the page pool as sized) with the
-    vocabulary and the alternatives a step returns, which admission checks: the engine's
-    own where its scheduler config has them, else from its model and config."""
-    limits = engine.limits
-    if limits.vocab_size is None or limits.max_top_logprobs is None:
-        limits = dataclasses.replace(limits, vocab_size=engine.weights.config.vocab_size,
-                                     max_top_logprobs=engine.config.max_top_logprobs)
-    return limits
+    limits: SchedulerConfig  # the limits that run (engine.limits)
 
 
 def describe(engine) -> EngineDescription:
@@ -111,4 +110,4 @@ def describe(engine) -> EngineDescription:
         executables=len(executables.compiled), compile_seconds=executables.wall_seconds,
         compile_seconds_summed=engine.compile_seconds, cache_hits=executables.cache_hits,
         loaded_from_store=executables.loaded_from_store, phase_seconds=dict(engine.startup_seconds),
-        limits=request_limits(engine))
+        limits=engine.limits)

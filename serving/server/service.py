@@ -31,7 +31,7 @@ from shiftjax.serving.engine.core import Engine, StepFailed, StepReport
 from shiftjax.serving.engine.errors import DeadlineExceeded, InvalidRequest, Overloaded, RequestFailed, Unavailable
 from shiftjax.serving.engine.output_processor import OutputProcessor
 from shiftjax.serving.engine.scheduler import Request
-from shiftjax.serving.engine.stats import EngineSnapshot, describe, request_limits
+from shiftjax.serving.engine.stats import EngineSnapshot, describe
 from shiftjax.serving.server.protocol import (
     FINISH_ABORT,
     FINISH_DEADLINE,
@@ -112,7 +112,7 @@ class AsyncEngineService:
             raise Unavailable("the server is shutting down and takes no new requests")
         if not self.ready:
             raise Unavailable("the engine is still starting (compiling its executables); retry shortly")
-        validate_request(request_limits(self.engine), request)
+        validate_request(self.engine.limits, request)
         loop = asyncio.get_running_loop()
         with self._wake:
             waiting = len(self._inbox) + self.engine.snapshot().waiting

@@ -12,7 +12,7 @@ from shiftjax.serving.server.protocol import GenerationRequest
 def validate_request(limits: SchedulerConfig, request) -> None:
     """Raises :class:`InvalidRequest` for a request that is not a :class:`GenerationRequest`
     with :class:`SamplingParams`, or that breaks a rule of admission.check_request against
-    the engine's running ``limits`` (``stats.request_limits``): an empty prompt or a token id
+    the engine's running ``limits`` (``engine.limits``): an empty prompt or a token id
     outside the vocabulary (``prompt_ids``), a prompt plus ``max_tokens`` past
     ``max_model_len`` or past the page pool (``max_tokens``), more alternatives than the
     steps return (``top_logprobs``), stop token ids outside the vocabulary
