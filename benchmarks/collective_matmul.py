@@ -1,6 +1,6 @@
 """Can the transfer of SP's first exchange hide under its GEMM on these GPUs? (issue 8,
-target 3: XLA overlaps no collective with a GEMM, ``x2_results.md``, "Overlapping SP's
-all-to-alls"). SP's q|k|v projection plus all-to-all gives each device every token of its
+target 3: XLA overlaps no collective with a GEMM, README.md, "Two GPUs" and "Tried and not
+kept"). SP's q|k|v projection plus all-to-all gives each device every token of its
 head block; so does gathering every token's normed hidden state and multiplying by the
 device's own head block, which is an all-gather feeding a GEMM: JAX's Mosaic GPU kernel
 ``all_gather_lhs_matmul`` fuses the two, sending tiles to the peer while it multiplies. Per

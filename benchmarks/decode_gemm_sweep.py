@@ -4,7 +4,7 @@ One GPU's share of the model in TP mode over two (bf16, weights [K, N] row-major
 qkv [4096, 3072], o [2048, 4096], gate_up [4096, 14336], down [7168, 4096], and gate_up with
 SwiGLU fused into the kernel (``gate_up_swiglu``: [M, 7168] out, against XLA's GEMM plus its
 SwiGLU fusion). cuBLAS ran these at 42-79% of the read-only stream (decode_anatomy.py,
-x2_results.md); three Pallas configs per shape lost at 64 rows and tied at 16. This is
+README.md, "One GPU"); three Pallas configs per shape lost at 64 rows and tied at 16. This is
 the wide sweep: per (projection, rows), a screening pass over block_n x block_k x split_k
 (4 warps, 4 stages or fewer where shared memory needs), then the best 5 over warps x
 stages, until the shape's share of ``--budget-s`` is spent.

@@ -18,7 +18,7 @@ elapsed time: P when the replicas' steps fully overlap, 1 when they take turns).
 
 Results (2026-11-29, the 2-core CPU shared with other sessions, load average ~15; JSON in
 benchmarks/results/dp_host_time/, summarised in serving/server/data_parallel.py's docstring; the
-script then lived in ../shared/probes and wrote one file per run):
+script then lived outside the repository and wrote one file per run):
 default model, host ms/step 1.16 (P=1), 1.33 (P=4 threads), 1.05 (P=4 processes), XLA
 0.36 to 2.7 s/step, 3.97 steps in flight: device-bound, no GIL effect. --tiny --repeats
 20: host 0.51-0.53 (P=1), 0.80-1.08 (P=4 threads), 0.68-0.80 (P=4 processes); tokens/s

@@ -1,6 +1,6 @@
 """Seconds ``--load-format dummy`` takes in this process, with JAX's trace, lowering,
-compile and cache events (the warm-start question of x2_results.md, "cuBLAS by default":
-~2.6 s of a warm dummy load is neither compiling nor generating). Run it twice against one
+compile and cache events (the warm-start question of README.md, "Two GPUs": most of a warm
+dummy load is neither compiling nor generating). Run it twice against one
 persistent cache directory, the second run warm; ``XLA_FLAGS`` sets the variant.
 
     JAX_COMPILATION_CACHE_DIR=/tmp/c python3 -P benchmarks/dummy_start.py --model benchmarks/configs/Llama-3.1-8B --out DIR

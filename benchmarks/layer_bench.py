@@ -9,7 +9,7 @@ stood in for by a free reshape of the same bytes, and the TP psums are left out.
   SP mode, sp = 8, tp = 1: T/8 local tokens through ALL weights (QKV for all 64 heads,
      o, gate|up, down); attention for one head block (8 q heads, 1 KV head) over all T.
        "SP-one":   weights contiguous, one GEMM per projection
-       "SP-split": weights as 8 aliased blocks per projection (DESIGN.md's default): 8 GEMMs,
+       "SP-split": weights as 8 aliased blocks per projection (the default storage): 8 GEMMs,
                    QKV outputs concatenated, o summed, MLP per block (gate|up_j -> down_j) summed
   TP mode, tp = 8: T tokens through 1/8 of the weights (block j of every projection, the
      zero-copy view of the aliased blocks); attention for 8 q heads, 1 KV head over T.

@@ -1,6 +1,6 @@
 """Can a one-shot all-reduce of our own replace NCCL's in TP mode's steps? (issue 8, targets
 2 and 4). A TP decode step on two GPUs makes ~65 all-reduces of 2-512 KiB; NCCL's sit on a
-~27 us latency floor (x2_results.md, "Collectives") and split XLA's CUDA graph of the step
+~27 us latency floor (README.md, "Two GPUs") and split XLA's CUDA graph of the step
 into ~66 launches per GPU. A Mosaic GPU kernel that writes its partial sums straight into
 the peer's buffer over NVLink (``plgpu.remote_ref``), signals, waits for the peer's, and
 adds, is one kernel: it may be quicker, and XLA may keep it inside one graph.

@@ -9,7 +9,7 @@ Every number this prints for 8 GPUs is a **projection**, not a measurement. The 
 - **gemm** (projections, norms, RoPE, SiLU: everything of a layer but attention): the
   per-device roofline floor of the shard (weight + activation bytes over the copy rate, or
   FLOPs over the matmul rate) times an efficiency ratio measured on one H200 on the 70B
-  layer as one device of 8 sees it (``layer_results.md`` section 2, the layer bench's time
+  layer as one device of 8 sees it (README.md, "One GPU: the Llama-3-70B layer and the weight storages", the layer bench's time
   minus its cuDNN attention), interpolated in log(tokens per device). Shards of 1/8 of the
   weights take the TP-layer ratios, larger shards the SP-layer ratios.
 - **attention** (this project's Pallas kernels): ``fixed + max(KV bytes / rate, FLOPs /
@@ -24,8 +24,8 @@ Every number this prints for 8 GPUs is a **projection**, not a measurement. The 
   all-gather (NVIDIA/nccl ``src/graph/tuning.cc``, ``ncclTopoTuneModel``: NVLink ring LL
   ``hwLat`` = 0.47 us). An all-to-all is taken to be n-1 steps too; the logits all-gather
   uses the all-to-all fit (same (n-1)/n traffic).
-- Left out: host time between steps (0 here; our engine loop measured 41% host gap on 2
-  GPUs, ``x2_results.md``), sampling, and compute/communication overlap (none is assumed).
+- Left out: host time between steps (0 here; the engine loop's GPUs idle between steps on 2
+  GPUs: README.md, "Two GPUs"), sampling, and compute/communication overlap (none is assumed).
 
 Deployments (70B bf16 = 141 GB of weights; one H200 has 141 GB): SP is sp=4 x tp=2 (each
 device holds half the weights, 70.6 GB; sp=8 would need all 141 GB on every device and
@@ -56,9 +56,9 @@ BF16 = 2
 @dataclasses.dataclass(frozen=True)
 class Hardware:
     hbm_bytes: float = 141e9
-    copy_Bps: float = 3.666e12  # layer_results.md, copy ceiling of the run that measured the layer
-    read_Bps: float = 3.73e12  # x2_results.md, read-only stream (GPU 0, the slower)
-    matmul_flops: float = 655e12  # layer_results.md, bf16 8192^3
+    copy_Bps: float = 3.666e12  # README.md, "One GPU: the Llama-3-70B layer...": its copy ceiling
+    read_Bps: float = 3.73e12  # README.md, "The 8-GPU projection": read-only stream (GPU 0, the slower)
+    matmul_flops: float = 655e12  # README.md, "One GPU: the Llama-3-70B layer...": bf16 8192^3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,13 +81,13 @@ class Shape:
 LLAMA3_70B = Shape("Llama-3-70B", 80, 8192, 64, 8, 128, 28672, 128256)
 LLAMA31_8B = Shape("Llama-3.1-8B", 32, 4096, 32, 8, 128, 14336, 128256)
 
-# layer_results.md section 2: one 70B layer as one device of 8 sees it (device span, us), by
+# README.md, "One GPU: the Llama-3-70B layer and the weight storages": one 70B layer as one device of 8 sees it (device span, us), by
 # global tokens T; TP: T tokens through 1/8 of the weights, SP: T/8 tokens through all of them.
 LAYER_BENCH_US = {"tp": {8: 90.3, 64: 89.6, 512: 198.1, 4096: 1410.7},
                   "sp_contiguous": {8: 425.4, 64: 415.9, 512: 445.9, 4096: 1236.2},
                   "sp_split": {8: 1151.1, 64: 579.8, 512: 603.6, 4096: 1551.5}}
 BENCH_ATTENTION_FIXED_S = 5.5e-6  # cuDNN attention kernel at T = 8 in that trace
-CUDNN_FLOPS = 380e12  # DESIGN.md: cuDNN causal attention, B4 S4096 H32 D128
+CUDNN_FLOPS = 380e12  # cuDNN causal attention on the H200, B4 S4096 H32 D128 (the design's probe)
 
 
 def causal_flops(q: int, ctx: int, heads: int, head_dim: int) -> float:
@@ -341,7 +341,7 @@ def simulate_deployment(model: StepModel, name: str, requests, max_concurrency, 
     dep, policy, threshold = DEPLOYMENTS[name]
     dep = dataclasses.replace(dep, sp_weights=sp_weights)
     modes = ("tp", "sp") if dep.sp > 1 else ("tp",)
-    # the engine's default ladder when projection.md was made (sequence buckets 1, 4, ...; today's
+    # the engine's default ladder when the projection was made (8124ef2; README.md, "The 8-GPU projection") (sequence buckets 1, 4, ...; today's
     # are its token buckets): kept, so that the committed projection reproduces
     ladder = BucketLadder(BucketLadder.geometric(8192, 256, multiple=dep.sp).token_buckets, (1, 4, 16, 64, 256))
     step = model.step_seconds(dep)

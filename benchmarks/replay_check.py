@@ -1,9 +1,9 @@
 """Does the simulated replay reproduce what the servers measured? (issue 9, item 6)
 
 The projection (``projection.py``) has two halves: a step-time model, checked step by step
-against the 2-GPU measurements in ``projection.md``, and a replay of workloads through the
+against the 2-GPU measurements (README.md, "The 8-GPU projection"), and a replay of workloads through the
 real scheduler and shift policy in simulated time (``serving/bench/simulate.py``). This
-checks the second half against ``bench compare``'s runs on 2x H200 (``compare_x2.md``): it
+checks the second half against ``bench compare``'s runs on 2x H200 (README.md, "Two GPUs: TP, SP, DP and Shift served"): it
 takes the step times the servers themselves recorded and replays the same workloads with
 them, then compares TTFT, TPOT and throughput with what the bench client measured.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Both layer benchmarks in one device call (issue 3, "Benchmark"; DESIGN.md "Weights live once").
+# Both layer benchmarks in one device call (issue 3, "Benchmark"; docs/architecture.md, "weights stored once").
 #   COMMIT=<sha> bash benchmarks/run_gpu_layers.sh     # on the H200; logs go to $OUT (or ./bench_out)
 #   SMOKE=1 JAX_PLATFORMS=cpu PY=.venv/bin/python bash benchmarks/run_gpu_layers.sh   # CPU test
 # Budgets (seconds of measuring per script) keep the call short: WL_BUDGET, LAYER_BUDGET.

@@ -1,7 +1,7 @@
 """Host time of the engine's per-step bookkeeping, without a model: the scheduler's
 ``schedule`` (building the step's batch), ``pad_batch`` and ``pack_batch`` (the two-array
 upload), and ``commit``, for N sequences decoding with long contexts. On 2x H200 the
-scheduler took 0.8-1.2 ms of a 6 ms step at 64 sequences (benchmarks/x2_results.md), where
+scheduler took 0.8-1.2 ms of a 6 ms step at 64 sequences (benchmarks/README.md, "Two GPUs"), where
 the host and the devices are close; this measures it where it can be changed.
 
     .venv/bin/python benchmarks/scheduler_host.py --seqs 1 8 64 --context 1000 --baseline REV --out DIR

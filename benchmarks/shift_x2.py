@@ -401,7 +401,7 @@ def sp_all_to_all(smoke: bool, attention: str, profile: bool) -> dict:
     TP's at 4096 tokens in each.
 
     (Earlier trees measured XLA's copy-engine all-to-alls, ``memcpy_p2p``, and token chunks
-    here, both slower; x2_results.md, "Overlapping SP's all-to-alls".)"""
+    here, both slower; README.md, "Tried and not kept".)"""
     config = big_config(smoke)
     prompt, max_pages = (64, 8) if smoke else (2048, 260)
     context = 64 if smoke else 1024

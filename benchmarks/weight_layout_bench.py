@@ -1,4 +1,4 @@
-"""Weight layouts for "weights live once" (DESIGN.md), measured on one GPU.
+"""Weight layouts for "weights live once" (docs/architecture.md), measured on one GPU.
 
 One device of a Llama-3-70B deployment at sp = 8, tp = 1.  SP mode reads all of a
 layer's weights with T_sp tokens per device; TP mode (the shift config, tp = 8) reads one
@@ -15,7 +15,7 @@ Storages (what each variant implies):
   S  contiguous, block-major: column-parallel [G, Nb, K] (each block out-major),
      row-parallel [G, Kb, N] (byte-identical to C).  Every TP block is one contiguous
      byte range of S, so a kernel can read it by offset.  One buffer, no extra memory.
-  A  aliased blocks: G separate buffers (DESIGN.md's default).  TP mode uses one of them.
+  A  aliased blocks: G separate buffers (the default storage).  TP mode uses one of them.
   A+S two copies: S for SP mode plus a TP-sharded copy of the blocks (+1/sp memory).
 
 Variants:

@@ -2,7 +2,7 @@
 
 Cache layout: ``[layers, kv_slots, num_pages, page_size, head_dim]``. Issue 4 states the
 per-layer shape ``[K_loc, num_pages, page_size, D]``; we stack the layers on a leading axis
-(DESIGN.md, "Layers, compile time and the cache"), and every function here takes the
+(docs/architecture.md, "The cache"), and every function here takes the
 whole stack plus the layer index as a scalar (possibly traced inside ``lax.scan``), so no
 caller ever slices out a layer and no path copies one.
 

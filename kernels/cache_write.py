@@ -4,7 +4,7 @@ On XLA's path each layer launches two scatters, one per cache, with RoPE fused i
 K scatter: 2 x 2.5 us a layer on the H200 for one GPU's share of Llama-3-8B decoding 8
 sequences (5% of the step's kernel time), almost all of it launch cost; XLA fuses no two
 scatters into one kernel, and a single variadic scatter over both caches became a loop of
-kernels (benchmarks/x2_results.md). The Pallas kernel (Triton backend) runs one program
+kernels (benchmarks/README.md, "One GPU" and "Tried and not kept"). The Pallas kernel (Triton backend) runs one program
 per token: it reads the token's K and V heads straight from the projection's output,
 rotates K, and stores both rows into the caches, which it aliases (in place under
 donation).

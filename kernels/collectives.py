@@ -10,8 +10,8 @@ partial sums; the half of its block the other owns) straight into a buffer on th
 over NVLink, raises a flag there, waits for the other's, and adds (the all-reduce) or
 copies into place (the all-to-all). They are XLA FFI custom calls that XLA records into its
 CUDA graphs, where each NCCL collective splits a step into one graph per stretch between
-collectives (~66 per GPU in a TP decode step of Llama-3.1-8B; benchmarks/x2_results.md, "A
-one-shot all-reduce in the graph"). They apply where the collective spans exactly the
+collectives (~66 per GPU in a TP decode step of Llama-3.1-8B; benchmarks/README.md, "One-shot
+all-reduce"). They apply where the collective spans exactly the
 mesh's two GPUs, in this process, and the message fits the receive slot; anything else
 takes XLA's. The sums are bf16(float(a) + float(b)), the same on both GPUs and, as
 measured, NCCL's bit for bit; the exchange moves bytes. If one GPU's step fails, the

@@ -4,7 +4,7 @@
 //
 // Why: each NCCL collective splits XLA's CUDA graph of a step, so a TP decode step on two
 // H200s launches ~66 graphs and ~66 collectives per GPU and is bound by the host (NCCL's
-// kernels themselves take ~12 us each for a decode step's 64 KiB; benchmarks/x2_results.md).
+// kernels themselves take ~12 us each for a decode step's 64 KiB; benchmarks/README.md, "Two GPUs").
 // These kernels are plain kernel launches on XLA's stream, with buffers set up once per
 // process, so a step can be one graph; the exchange is also quicker than NCCL's at every size
 // measured (benchmarks/exchange_bandwidth.py).

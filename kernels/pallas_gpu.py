@@ -31,7 +31,7 @@ so K/V bytes are read once per slot, not once per head.
 One ``ragged_paged_attention_pallas`` call launches both for a mixed batch; each kernel's
 programs whose sequence belongs to the other path exit at once.
 
-Measured on the H200 (benchmarks/attention_results.md, run 4, 2026-11-29): decode 64 x 4096,
+Measured on the H200 (benchmarks/README.md, "Attention kernels"): decode 64 x 4096,
 32 q / 8 KV, D128 bf16 at 86% of the copy bandwidth; 8 q / 1 KV only 34% (134 MB per call,
 so fixed per-call costs dominate); prefill 2048 after 2048 at 58% of cuDNN's FLOP/s.
 
@@ -82,7 +82,7 @@ class PallasAttentionConfig:
 
     prefill_rows: int = 128
     # Defaults: the fastest of the variants benchmarks/attention_bench.py tried on the H200
-    # (benchmarks/attention_results.md): prefill rows 128 x block_k 128, 8 warps, 2 stages;
+    # (benchmarks/README.md, "Attention kernels"): prefill rows 128 x block_k 128, 8 warps, 2 stages;
     # decode block_k 128, 2 stages (Llama-3-8B shapes).
     prefill_block_k: int = 128
     prefill_num_warps: int = 8

@@ -19,7 +19,7 @@ Why not slice one contiguous array per mode at run time: on the H200 XLA copies 
 dynamically sliced weight instead of fusing the slice into the GEMM (3.0-3.1x the
 presliced GEMM per Llama-70B layer in TP mode).
 
-Measured on the H200 (``benchmarks/layer_results.md``, Llama-3-70B layer, one device of 8):
+Measured on the H200 (benchmarks/README.md, "Weight storage"; Llama-3-70B layer, one device of 8):
 aliased storage gives TP mode exactly the two-copy GEMMs, but SP mode's 8 split GEMMs cost
 +49%, +43%, +32%, +19% on the projections at 8, 64, 512, 4096 tokens per device. Block-major
 contiguous storage with one GEMM costs SP mode nothing (1.00-1.05x), but TP mode then needs

@@ -1,7 +1,7 @@
 """The process-to-data mapping: which attention heads and KV heads each device holds.
 
 Heads are cut into ``P = sp * tp`` head blocks; block ``b = t * sp + s`` lives on device
-``(s, t)`` in both modes (the head order ``("tp", "sp")`` of DESIGN.md). Inside a block the
+``(s, t)`` in both modes (the head order ``("tp", "sp")``; docs/architecture.md, "The cache"). Inside a block the
 order of heads is free, because the query, output and cache columns of a head move
 together; we use that freedom to give every block the *same* local query-head → KV-slot
 map, which the SPMD program needs (one program, one static map).
@@ -15,7 +15,7 @@ map, which the SPMD program needs (one program, one static map).
   largest first and every slot gets the largest group size seen at its rank, so the map
   is uniform; ``q_per_block`` grows (more zero heads) only if that does not fit.
 
-DESIGN.md proposes the largest uniform group size ``g`` dividing ``q_per_block``; that
+The first design took the largest uniform group size ``g`` dividing ``q_per_block``; that
 rule gives SmolLM2 at P = 2 five KV slots per device, this one two.
 """
 

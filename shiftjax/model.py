@@ -133,7 +133,8 @@ def _column_blocks(x, weight, sp: int):
     if isinstance(weight, tuple):  # aliased storage: sp separate GEMMs
         # Without a barrier per block XLA's DotMerger fuses the sp GEMMs that share x and
         # concatenates their weights on every call, a copy of the whole TP shard (H200:
-        # 138.7 -> 85.7 us for Llama-70B qkv at 8 tokens a device; benchmarks/layer_results.md).
+        # 138.7 -> 85.7 us for Llama-70B qkv at 8 tokens a device;
+        # benchmarks/README.md, "One GPU: the Llama-3-70B layer and the weight storages").
         return jnp.stack([lax.optimization_barrier(x) @ w[0] for w in weight], axis=1)
     out = x @ weight[0]  # contiguous storage: one GEMM, outputs in block order
     return out.reshape(x.shape[0], sp, -1)
@@ -163,8 +164,7 @@ def embed_tokens(token_ids, embed, dims: LocalDims):
 # with float32 results a matrix-vector call that first converts the whole table to float32:
 # on one H200, Llama-3.1-8B shape, 0.75 ms for the conversion and 0.50 ms for the call in
 # every one-sequence step, against 0.24 ms for the GEMM of eight rows (shift_x2.py's engine
-# part with --engine-tp 1; benchmarks/x2_results.md, "Command buffers re-recorded; the
-# one-row LM head; one GPU").
+# part with --engine-tp 1; benchmarks/README.md, "LM head rows").
 MIN_LOGIT_ROWS = 8
 
 

@@ -62,7 +62,7 @@ def make_step(weights: ModelWeights, mode: Mode, options: StepOptions = StepOpti
     all-greedy batches with a ``lax.cond``, and XLA's GPU conditional copies its predicate
     to the host and blocks the host until the device gets there: the host could not
     dispatch a step while the one before it runs (2x H200, one sequence, in one run: 10.30
-    ms a decode step with it, 6.55 ms without; benchmarks/x2_results.md).
+    ms a decode step with it, 6.55 ms without; benchmarks/README.md, "Sampling outside the step").
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

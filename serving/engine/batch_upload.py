@@ -2,7 +2,7 @@
 
 A :class:`~shiftjax.batch.StepBatch` is thirteen arrays; placing them one by one on the
 mesh cost the host 0.77-1.64 ms of every decode step on 2x H200, where the host, not the
-devices, bounds the engine's loop (benchmarks/x2_results.md). Packed, they are one array
+devices, bounds the engine's loop (benchmarks/README.md, "Async scheduling and the two uploads"). Packed, they are one array
 per token and one per sequence; the step unpacks them by static slices, which XLA fuses
 into their consumers. The float32 fields travel as their bit patterns. Measured there with
 the token fill moved into the step as well: placing 0.26-0.39 ms instead of 0.67-0.94, and

@@ -3,8 +3,8 @@
 JAX's persistent compilation cache is keyed by the lowered program, so even a start whose
 every executable is cached still traces and lowers each step first: about 7 s per
 executable for the unrolled 32-layer Llama-3.1-8B step on the H200 host before each layer
-was lowered once (benchmarks/compare_x2.md; since then ~0.2 s on a 2-core CPU,
-benchmarks/lowering_time.py), where loading the cached binary takes under 1 s. This store
+was lowered once (benchmarks/README.md, "Executable store"; since then ~0.2 s on a 2-core CPU,
+"CPU"), where loading the cached binary takes under 1 s. This store
 is keyed instead by everything the lowering is a function of, so a hit skips tracing,
 lowering and compiling:
 

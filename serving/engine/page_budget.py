@@ -27,8 +27,7 @@ def jax_memory_fraction() -> float:
     (``xla_client``): ``XLA_CLIENT_MEM_FRACTION``, else the deprecated
     ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (both set: jaxlib refuses to start), an empty value
     unset; default 0.75. The VMM allocator holds to it as its physical budget: a pool sized
-    past it failed every step on an H200 (benchmarks/x2_results.md, "The allocators on one
-    GPU")."""
+    past it failed every step on an H200 (benchmarks/README.md, "GPU allocator")."""
     fraction = os.environ.get("XLA_CLIENT_MEM_FRACTION", "") or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "")
     return float(fraction) if fraction else 0.75
 

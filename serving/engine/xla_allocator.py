@@ -5,9 +5,9 @@ re-records the commands whose buffers moved since the last one. With JAX's defau
 allocator, whole stretches of steps re-recorded every graph of the step, most likely
 because the step's temporary buffer landed somewhere new each time; with XLA's VMM
 allocator (``vmm``) no phase of the engine's decode loop measured on 2x H200 did
-(benchmarks/x2_results.md, "Command buffers re-recorded", with the figures). Served,
+(benchmarks/README.md, "GPU allocator", with the figures). Served,
 though, ``vmm`` decoded one request at a time 1.13-1.27x slower than the default and 8 or 64
-concurrent ones alike (same file, "Fewer launches, tried twice; the allocators served"): the
+concurrent ones alike (the same table): the
 default stays the default.
 
 JAX reads the choice from ``XLA_PYTHON_CLIENT_ALLOCATOR`` when it registers its GPU plugin
