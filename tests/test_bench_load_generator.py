@@ -2,6 +2,7 @@
 ends (fixed delays, so the measured times have known lower bounds)."""
 
 import asyncio
+import contextlib
 import json
 import socket
 import subprocess
@@ -117,18 +118,13 @@ def test_unreachable_server_fails_every_request_and_says_why():
 
 def test_cli_writes_result_file_and_table(tmp_path, capsys):
     grpc_port, http_port = free_port(), free_port()
-    server = subprocess.Popen([sys.executable, "-m", "shiftjax.serving.bench.fake_server", "--port", str(grpc_port),
-                               "--http-port", str(http_port), "--token-delay", "0.005"])
-    try:
-        _wait_for_port(http_port)
-        out = tmp_path / "result.json"
+    out = tmp_path / "result.json"
+    with fake_server_process(["--port", str(grpc_port), "--http-port", str(http_port), "--token-delay", "0.005"],
+                             http_port):
         code = bench_main(["serve", "--server", f"127.0.0.1:{http_port}", "--backend", "openai", "--num-prompts", "4",
                            "--input-len", "16", "--output-len", "3", "--vocab-size", "500", "--request-rate", "inf",
                            "--goodput", "ttft:5000", "--label", "fake", "--device", "loopback", "--no-progress",
                            "--result-file", str(out)])
-    finally:
-        server.terminate()
-        assert server.wait(timeout=20) == 0
     assert code == 0
     table = capsys.readouterr().out
     assert "Serving Benchmark Result (fake)" in table and "Request goodput (req/s):" in table
@@ -138,6 +134,19 @@ def test_cli_writes_result_file_and_table(tmp_path, capsys):
     assert result["config"]["request_rate"] == "inf"  # JSON has no infinity
     assert result["summary"]["completed"] == 4 and len(result["requests"]) == 4
     assert result["server_info"]["data"][0]["id"] == "fake"
+
+
+@contextlib.contextmanager
+def fake_server_process(args: list[str], wait_port: int):
+    """The fake server as a subprocess with ``args``, once ``wait_port`` listens; it must
+    exit 0 on SIGTERM."""
+    server = subprocess.Popen([sys.executable, "-m", "shiftjax.serving.bench.fake_server", *args])
+    try:
+        _wait_for_port(wait_port)
+        yield server
+    finally:
+        server.terminate()
+        assert server.wait(timeout=20) == 0
 
 
 def _wait_for_port(port, timeout=30.0):

@@ -34,7 +34,10 @@ def _as_config_values(options: dict) -> dict:
 @dataclasses.dataclass
 class WorkloadSpec:
     """A named workload: ``bench serve`` options, swept over ``request_rates`` if given.
-    ``timeline`` asks for the per-step mode and queue plot of its runs."""
+    ``timeline`` asks for the per-step mode and queue plot of its runs. A sweep sends the
+    same prompts at every rate, so with a ``cache_salt`` each rate gets its own
+    (``salt@rate``): a point does not find the prompts of the one before in the server's
+    prefix cache."""
 
     name: str
     options: dict
@@ -79,6 +82,8 @@ def planned_runs(specs: list[WorkloadSpec], common: dict) -> list[tuple[Workload
     for spec in specs:
         for rate in spec.points():
             options = common | spec.options | ({"request_rate": rate} if rate is not None else {})
+            if rate is not None and options.get("cache_salt"):
+                options["cache_salt"] = f"{options['cache_salt']}@{rate:g}"
             config = serve_bench.ServeBenchConfig(server="", **options)
             runs.append((spec, rate, config, serve_bench.build_workload(config)))
     return runs

@@ -6,7 +6,11 @@ service over gRPC, streamed ``/v1/completions`` over HTTP) and answers every req
 apart. Each token's step is labelled ``sp`` while at least ``sp_from`` requests are in
 flight, else ``tp``, and the server keeps a step trace in ``ServerInfo.info_json``
 (``step_trace``) the way the real server is asked to, so ``bench compare``'s plots can be
-tested. What it records (prompts, peak concurrency) lets tests check what the bench sent.
+tested. What it records (prompts, salts, peak concurrency) lets tests check what the bench
+sent. Its answers depend on the prompt, so a chat's turns can be told apart. With
+``cache_block_size`` it plays an infinite prefix cache of full blocks, one per
+``cache_salt``, and reports the prompt tokens it had (``cached_prompt_tokens``,
+``prompt_tokens_details.cached_tokens``).
 
 Run ``python -m shiftjax.serving.bench.fake_server --port P [--http-port H]``; it exits 0
 on SIGTERM.
@@ -31,7 +35,8 @@ class FakeEngine:
     """The timing and bookkeeping both front ends share."""
 
     def __init__(self, *, prefill_delay: float = 0.02, token_delay: float = 0.01, sp_from: int = 4,
-                 report_step_trace: bool = True):
+                 report_step_trace: bool = True, cache_block_size: int | None = None,
+                 http_token_ids: bool = True):
         self.prefill_delay = prefill_delay
         self.token_delay = token_delay
         self.sp_from = sp_from
@@ -40,10 +45,29 @@ class FakeEngine:
         self.peak_in_flight = 0
         self.requests: list[dict] = []  # what each request asked for
         self.step_trace: list[dict] = []
+        self.cache_block_size = cache_block_size
+        self.http_token_ids = http_token_ids  # off: no choices[].token_ids, as an OpenAI server without the extension
+        self._cached_blocks: set[tuple] = set()  # (salt, the prompt up to a block's end)
 
-    async def tokens(self, prompt_ids: list[int], max_tokens: int):
-        """Yields ``(token_id, mode)`` on the schedule; returns when ``max_tokens`` are out."""
-        self.requests.append({"prompt_ids": list(prompt_ids), "max_tokens": max_tokens})
+    def cached_tokens(self, prompt_ids: list[int], salt: str) -> int:
+        """The leading full blocks of the prompt seen before (under this salt), in tokens;
+        every full block is cached from now on."""
+        if not self.cache_block_size:
+            return 0
+        hit, missed = 0, False
+        for end in range(self.cache_block_size, len(prompt_ids) + 1, self.cache_block_size):
+            key = (salt, tuple(prompt_ids[:end]))
+            if not missed and key in self._cached_blocks:
+                hit = end
+            else:
+                missed = True
+            self._cached_blocks.add(key)
+        return hit
+
+    async def tokens(self, prompt_ids: list[int], max_tokens: int, salt: str = ""):
+        """Yields ``(token_id, mode)`` on the schedule; returns when ``max_tokens`` are out.
+        The ids are ``1000 + (len(prompt) + i) % 1000``: a different answer for each turn."""
+        self.requests.append({"prompt_ids": list(prompt_ids), "max_tokens": max_tokens, "cache_salt": salt})
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         try:
@@ -52,7 +76,7 @@ class FakeEngine:
                 mode = "sp" if self.in_flight >= self.sp_from else "tp"
                 self.step_trace.append({"time": time.time(), "mode": mode, "running": self.in_flight,
                                         "waiting": 0, "num_tokens": len(prompt_ids) if i == 0 else 1})
-                yield 1000 + i, mode
+                yield 1000 + (len(prompt_ids) + i) % 1000, mode
         finally:
             self.in_flight -= 1
 
@@ -65,12 +89,15 @@ class FakeInferenceServicer(pb_grpc.InferenceServiceServicer):
         if not request.prompt_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_ids: the fake server takes token ids")
         start, modes, first = time.monotonic(), [], None
-        async for token, mode in self.engine.tokens(list(request.prompt_ids), request.max_tokens or 64):
+        prompt = list(request.prompt_ids)
+        cached = self.engine.cached_tokens(prompt, request.cache_salt)
+        async for token, mode in self.engine.tokens(prompt, request.max_tokens or 64, request.cache_salt):
             first = first or time.monotonic()
             modes.append(mode)
             yield pb.GenerateResponse(request_id="fake", token_ids=[token], text="x")
-        usage = pb.Usage(prompt_tokens=len(request.prompt_ids), output_tokens=len(modes), queue_seconds=0.0,
-                         ttft_seconds=(first or start) - start, e2e_seconds=time.monotonic() - start, modes=modes)
+        usage = pb.Usage(prompt_tokens=len(prompt), output_tokens=len(modes), queue_seconds=0.0,
+                         ttft_seconds=(first or start) - start, e2e_seconds=time.monotonic() - start, modes=modes,
+                         cached_prompt_tokens=cached)
         yield pb.GenerateResponse(request_id="fake", finish_reason=pb.FINISH_REASON_LENGTH, usage=usage)
 
     async def ServerInfo(self, request, context):
@@ -101,12 +128,17 @@ def completions_app(engine: FakeEngine):
             return await _send_json(send, {"error": "the fake takes token-id prompts with ignore_eos"}, status=400)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
-        modes = []
-        async for _, mode in engine.tokens(payload["prompt"], payload["max_tokens"]):
+        modes, salt = [], payload.get("cache_salt") or ""
+        cached = engine.cached_tokens(payload["prompt"], salt)
+        async for token, mode in engine.tokens(payload["prompt"], payload["max_tokens"], salt):
             modes.append(mode)
-            await _send_event(send, {"choices": [{"index": 0, "text": "x", "finish_reason": None}]})
+            choice = {"index": 0, "text": "x", "finish_reason": None}
+            await _send_event(send, {"choices": [choice | ({"token_ids": [token]} if payload.get("return_token_ids")
+                                                           and engine.http_token_ids
+                                                           else {})]})
         await _send_event(send, {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
-        usage = {"prompt_tokens": len(payload["prompt"]), "completion_tokens": len(modes), "modes": modes}
+        usage = {"prompt_tokens": len(payload["prompt"]), "completion_tokens": len(modes), "modes": modes,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
         await _send_event(send, {"choices": [], "usage": usage})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
@@ -170,11 +202,12 @@ def fake_server_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sp-from", type=int, default=4)
     parser.add_argument("--startup-delay", type=float, default=0.0)
     parser.add_argument("--no-step-trace", action="store_true", help="ServerInfo without info_json's step_trace")
+    parser.add_argument("--cache-block-size", type=int, default=None, help="play a prefix cache of blocks this long")
     args = parser.parse_args(argv)
 
     async def serve():
         engine = FakeEngine(prefill_delay=args.prefill_delay, token_delay=args.token_delay, sp_from=args.sp_from,
-                            report_step_trace=not args.no_step_trace)
+                            report_step_trace=not args.no_step_trace, cache_block_size=args.cache_block_size)
         server = FakeServer(engine, port=args.port, http_port=args.http_port, startup_delay=args.startup_delay)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

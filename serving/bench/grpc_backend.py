@@ -2,7 +2,9 @@
 
 Prompts go as ``prompt_ids``, with ``max_tokens`` the output length and ``ignore_eos``.
 Every response carrying token ids is one output chunk (TTFT, then ITL gaps); the token
-count and the mode of every step come from the last response's ``usage``.
+count, the mode of every step and the prompt tokens the prefix cache had
+(``cached_prompt_tokens``) come from the last response's ``usage``. A run's ``cache_salt``
+goes with every request.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ class GrpcBackend:
 
     name = "grpc"
 
-    def __init__(self, server: str, *, api_key: str | None = None):
+    def __init__(self, server: str, *, api_key: str | None = None, cache_salt: str | None = None):
         self.server = server
+        self.cache_salt = cache_salt or ""
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._channel: grpc.aio.Channel | None = None
         self._stub: inference_pb2_grpc.InferenceServiceStub | None = None
@@ -47,25 +50,35 @@ class GrpcBackend:
         reply = await self._stub.ServerInfo(inference_pb2.ServerInfoRequest(), metadata=self._metadata)
         return MessageToDict(reply, preserving_proto_field_name=True)
 
-    async def generate(self, record: RequestRecord, prompt_ids: list[int], clock=time.perf_counter) -> None:
-        """Sends one request and fills ``record`` with what its stream showed."""
+    async def generate(self, record: RequestRecord, prompt_ids: list[int], clock=time.perf_counter, *,
+                       keep_output_ids: bool = False) -> None:
+        """Sends one request and fills ``record`` with what its stream showed (and the
+        answer's token ids in ``record.output_ids`` with ``keep_output_ids``)."""
         request = inference_pb2.GenerateRequest(
             prompt_ids=prompt_ids, max_tokens=record.output_len, ignore_eos=True, temperature=0.0,
+            cache_salt=self.cache_salt,
         )
         timer = StreamClock(record, clock)
         usage = None
+        output_ids = []
         try:
             async for response in self._stub.Generate(request, metadata=self._metadata):
                 if response.token_ids:
                     timer.output_chunk(len(response.token_ids))
+                    if keep_output_ids:
+                        output_ids.extend(response.token_ids)
                 if response.HasField("usage"):
                     usage = response.usage
+            if keep_output_ids:
+                record.output_ids = output_ids
             if usage is not None:
                 record.modes = list(usage.modes)
+                record.cached_tokens = usage.cached_prompt_tokens
                 record.server_usage = {
                     "prompt_tokens": usage.prompt_tokens, "output_tokens": usage.output_tokens,
                     "queue_seconds": usage.queue_seconds, "ttft_seconds": usage.ttft_seconds,
                     "e2e_seconds": usage.e2e_seconds, "preemptions": usage.preemptions,
+                    "cached_prompt_tokens": usage.cached_prompt_tokens,
                 }
             timer.finish(usage.output_tokens if usage is not None else None)
         except grpc.aio.AioRpcError as error:

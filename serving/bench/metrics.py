@@ -12,6 +12,11 @@ compare across servers):
 - throughput: completed requests, output tokens and input + output tokens, each divided
   by the run's wall-clock duration (first send to last completion).
 - goodput: completed requests that meet every given SLO (``value <= slo``), per second.
+- prefix-cache hit rate: prompt tokens whose K/V the server took from its prefix cache
+  (its usage's ``cached_prompt_tokens`` / ``prompt_tokens_details.cached_tokens``) over
+  prompt tokens, of completed requests.
+- per turn (multi-turn chats): the TTFT statistics of each turn index apart, since a later
+  turn's prompt is longer and, cached, cheaper.
 - statistics in milliseconds: mean, median, std (population, numpy's default) and
   percentiles by ``numpy.percentile`` (linear interpolation); an empty list reads 0, as
   vLLM reports it.
@@ -47,6 +52,10 @@ class RequestRecord:
     output_tokens: int = 0  # as the server counted them (usage), else streamed tokens
     modes: list[str] = dataclasses.field(default_factory=list)  # per step, when the server says
     server_usage: dict = dataclasses.field(default_factory=dict)
+    cached_tokens: int = 0  # prompt tokens the server's prefix cache had (0 when it says none)
+    conversation: int | None = None  # a multi-turn chat's conversation and turn
+    turn: int | None = None
+    output_ids: list[int] | None = None  # kept when a later turn's prompt needs them
 
     @property
     def tpot(self) -> float | None:
@@ -126,6 +135,12 @@ def summarize(
     for name in LATENCY_METRICS:
         summary[name] = latency_statistics(samples[name], percentiles)
     summary["mode_steps"] = count_modes(done)
+    cached = sum(r.cached_tokens for r in done)
+    summary["prefix_cache"] = {"cached_prompt_tokens": cached, "hit_rate": cached / total_input if total_input else 0.0}
+    turns = sorted({r.turn for r in done if r.turn is not None})
+    if turns:
+        summary["ttft_by_turn"] = [latency_statistics([r.ttft for r in done if r.turn == turn], percentiles)
+                                   for turn in range(turns[-1] + 1)]
     return summary
 
 

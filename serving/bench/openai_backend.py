@@ -4,7 +4,11 @@ Token-id prompts go in ``prompt`` as a list of ints (the OpenAI API allows it), 
 ``max_tokens`` the output length and vLLM's ``ignore_eos`` extension so that the output
 has exactly that length. Every server-sent event whose first choice carries text counts
 as one output chunk (TTFT, then ITL gaps); the token count is the ``usage`` the server
-sends at the end of the stream (``stream_options.include_usage``), else the chunk count.
+sends at the end of the stream (``stream_options.include_usage``), else the chunk count;
+its ``prompt_tokens_details.cached_tokens`` are the prompt tokens the prefix cache had (0
+when absent). A run's ``cache_salt`` (vLLM's field) goes with every request. A multi-turn
+chat needs each answer's token ids: it asks for them with vLLM's ``return_token_ids``
+and reads each chunk's ``choices[0].token_ids``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ class OpenAIBackend:
     name = "openai"
 
     def __init__(self, server: str, *, model: str | None = None, api_key: str | None = None,
-                 endpoint: str = "/v1/completions"):
+                 endpoint: str = "/v1/completions", cache_salt: str | None = None):
+        self.cache_salt = cache_salt
         self.base_url = server if server.startswith(("http://", "https://")) else f"http://{server}"
         self.model = model
         self.endpoint = endpoint
@@ -61,8 +66,10 @@ class OpenAIBackend:
         response.raise_for_status()
         return response.json()
 
-    async def generate(self, record: RequestRecord, prompt_ids: list[int], clock=time.perf_counter) -> None:
-        """Sends one request and fills ``record`` with what its stream showed."""
+    async def generate(self, record: RequestRecord, prompt_ids: list[int], clock=time.perf_counter, *,
+                       keep_output_ids: bool = False) -> None:
+        """Sends one request and fills ``record`` with what its stream showed (and the
+        answer's token ids in ``record.output_ids`` with ``keep_output_ids``)."""
         payload = {
             "model": self.model,
             "prompt": prompt_ids,
@@ -72,8 +79,13 @@ class OpenAIBackend:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if self.cache_salt:
+            payload["cache_salt"] = self.cache_salt
+        if keep_output_ids:
+            payload["return_token_ids"] = True
         timer = StreamClock(record, clock)
         server_tokens = None
+        output_ids = []
         try:
             async with self._client.stream("POST", self.endpoint, json=payload) as response:
                 if response.status_code != 200:
@@ -93,11 +105,20 @@ class OpenAIBackend:
                     choices = chunk.get("choices") or ()
                     if choices and choices[0].get("text"):
                         timer.output_chunk()
+                    if choices and keep_output_ids:
+                        output_ids.extend(choices[0].get("token_ids") or ())
                     if usage := chunk.get("usage"):
                         server_tokens = usage.get("completion_tokens")
                         record.server_usage = usage
                         record.modes = list(usage.get("modes") or ())
+                        record.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
             timer.finish(server_tokens)
+            if keep_output_ids:
+                record.output_ids = output_ids
+                if record.success and not output_ids:
+                    record.success = False
+                    record.error = ("the stream carried no choices[].token_ids: the next turn needs the answer's "
+                                    "token ids (vLLM's return_token_ids); --backend grpc always has them")
         except (httpx.HTTPError, ValueError, OSError) as error:
             record.success = False
             record.error = f"{type(error).__name__}: {error}"

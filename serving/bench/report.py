@@ -55,6 +55,7 @@ def summary_lines(result: dict) -> list[str]:
                 lines.append(row(f"P{key[1:-3]} {label} (ms):", value))
     if summary.get("client_cpu_fraction", 0.0) > 0.8:
         lines.append(f"note: the client used {summary['client_cpu_fraction']:.0%} of a CPU: it may limit this run")
+    lines += prefix_cache_lines(summary, row)
     if summary.get("mode_steps"):
         lines.append(" Steps per mode (request-steps) ".center(WIDTH, "-"))
         lines += [row(f"{mode}:", count) for mode, count in sorted(summary["mode_steps"].items())]
@@ -62,10 +63,33 @@ def summary_lines(result: dict) -> list[str]:
     return lines
 
 
+def prefix_cache_lines(summary: dict, row) -> list[str]:
+    """The measured prefix-cache hit rate beside the best an LRU cache of the bound's size
+    could reach on the same requests, and the TTFT of each turn of a multi-turn chat.
+    Shown when the server reported cached tokens or the workload can share prefixes."""
+    lines = []
+    cache = summary.get("prefix_cache") or {}
+    if cache.get("cached_prompt_tokens") or cache.get("best_hit_rate"):
+        capacity = cache.get("capacity_blocks", math.inf)
+        size = "inf" if math.isinf(float(capacity)) else f"{int(capacity)}"
+        lines += [" Prefix Cache ".center(WIDTH, "-"),
+                  row("Cached prompt tokens:", cache["cached_prompt_tokens"]),
+                  row("Measured hit rate (%):", 100.0 * cache["hit_rate"])]
+        if "best_hit_rate" in cache:
+            lines += [row(f"Best LRU hit rate (%), {size} x {cache['block_size']}-tok:", 100.0 * cache["best_hit_rate"]),
+                      row("Measured - best (points):", 100.0 * (cache["hit_rate"] - cache["best_hit_rate"]))]
+    if summary.get("ttft_by_turn"):
+        lines.append(" TTFT per Turn ".center(WIDTH, "-"))
+        lines += [row(f"Turn {turn} median TTFT (ms):", stats["median_ms"])
+                  for turn, stats in enumerate(summary["ttft_by_turn"])]
+    return lines
+
+
 def _rate_text(config: dict) -> str:
-    if config["dataset"] == "trace":
+    if config["dataset"] in ("trace", "hash-trace"):
         return f"trace x{config['time_scale']:g}"
-    return "inf" if math.isinf(float(config["request_rate"])) else f"{float(config['request_rate']):g}"
+    rate = "inf" if math.isinf(float(config["request_rate"])) else f"{float(config['request_rate']):g}"
+    return f"{rate} chats/s" if config["dataset"] == "multi-turn" else rate
 
 
 def print_summary_table(result: dict, file=None) -> None:

@@ -17,11 +17,14 @@ import time
 
 import numpy as np
 
-from shiftjax.serving.bench import metrics, workloads
+from shiftjax.serving.bench import metrics, prefix_cache_bound, prefix_workloads, workloads
 from shiftjax.serving.bench.report import print_summary_table, write_json
 
 BACKENDS = ("grpc", "openai")
+DATASETS = ("random", "trace", "hash-trace", "shared-prefix", "multi-turn")
+TRACE_DATASETS = ("trace", "hash-trace")
 DEFAULT_RANDOM_PROMPTS = 1000
+DEFAULT_CACHE_BLOCK = 16  # shiftjax's default page size: the bound's block for synthetic prompts
 
 
 @dataclasses.dataclass
@@ -31,7 +34,7 @@ class ServeBenchConfig:
     server: str
     backend: str = "grpc"
     dataset: str = "random"
-    num_prompts: int | None = None  # random: 1000 when not given (vLLM's default); trace: no cap
+    num_prompts: int | None = None  # random, shared-prefix: 1000 when not given (vLLM's default); trace: no cap
     input_len: int = 1024
     output_len: int = 128
     range_ratio: float = 0.0
@@ -41,6 +44,14 @@ class ServeBenchConfig:
     duration: float | None = None
     max_input_len: int | None = None  # clip a trace's lengths to what the model allows
     max_output_len: int | None = None
+    block_size: int | None = None  # hash-trace: tokens per hash id (512); the best-hit-rate bound's block (else 16)
+    cache_blocks: int | None = None  # the bound's cache capacity in blocks; None: infinite
+    prefix_len: int = 0  # shared-prefix: the shared prefix; multi-turn: a system prompt all conversations share
+    suffix_len: int = 128  # shared-prefix: each prompt's own suffix
+    conversations: int = 8  # multi-turn
+    turns: int = 4
+    turn_len: int = 128  # multi-turn: tokens of each new user message
+    cache_salt: str | None = None  # sent with every request: the server shares cached pages within a salt only
     request_rate: float = math.inf
     burstiness: float = 1.0
     max_concurrency: int | None = None
@@ -59,11 +70,21 @@ class ServeBenchConfig:
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.dataset not in ("random", "trace"):
-            raise ValueError(f"--dataset must be random or trace, got {self.dataset!r}")
-        if self.dataset == "trace" and not self.trace:
-            raise ValueError("--dataset trace needs --trace PATH (an Azure CSV or a JSONL trace)")
+        if self.dataset not in DATASETS:
+            raise ValueError(f"--dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}")
+        if self.dataset in TRACE_DATASETS and not self.trace:
+            raise ValueError(f"--dataset {self.dataset} needs --trace PATH (an Azure CSV or a JSONL trace; "
+                             "hash-trace: JSONL with hash_ids)")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
         metrics.parse_goodput(self.goodput)  # refuses a bad SLO before anything is sent
+
+    @property
+    def cache_block_size(self) -> int:
+        """Tokens per block of the hash ids and of the best-hit-rate bound."""
+        if self.block_size is not None:
+            return self.block_size
+        return prefix_workloads.HASH_BLOCK_SIZE if self.dataset == "hash-trace" else DEFAULT_CACHE_BLOCK
 
 
 @dataclasses.dataclass
@@ -77,20 +98,39 @@ def build_workload(config: ServeBenchConfig) -> Workload:
     """The requests, their prompt ids and their send times, all from ``config.seed``.
 
     Lengths, arrivals and prompt ids draw from three independent streams of the seed, so a
-    rate sweep sends the same prompts at every rate (an infinite rate draws no gaps)."""
+    rate sweep sends the same prompts at every rate (an infinite rate draws no gaps). A
+    hash trace's blocks depend on their ids and the seed only. A multi-turn chat's arrivals
+    are its conversations' starts, and its later turns' prompts only the new messages."""
     length_rng, arrival_rng, prompt_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(config.seed).spawn(3))
-    if config.dataset == "random":
-        num_prompts = DEFAULT_RANDOM_PROMPTS if config.num_prompts is None else config.num_prompts
-        requests = workloads.random_requests(num_prompts, config.input_len, config.output_len,
-                                             config.range_ratio, length_rng)
-        offsets = workloads.arrival_offsets(len(requests), config.request_rate, config.burstiness, arrival_rng)
-    else:
+    num_prompts = DEFAULT_RANDOM_PROMPTS if config.num_prompts is None else config.num_prompts
+    vocabulary = prompt_vocabulary(config)
+    if config.dataset in TRACE_DATASETS:
         rows = workloads.read_trace(config.trace)
+        if config.dataset == "hash-trace":
+            prefix_workloads.check_hash_ids(rows, config.cache_block_size)
         requests = workloads.window_trace(rows, start_s=config.start, duration_s=config.duration,
                                           time_scale=config.time_scale, max_requests=config.num_prompts)
         requests = workloads.clip_lengths(requests, config.max_input_len, config.max_output_len)
         offsets = [r.arrival_s for r in requests]
-    prompts = workloads.prompt_token_ids(requests, prompt_vocabulary(config), prompt_rng)
+        prompts = (prefix_workloads.hash_trace_prompts(requests, config.cache_block_size, vocabulary, config.seed)
+                   if config.dataset == "hash-trace" else workloads.prompt_token_ids(requests, vocabulary, prompt_rng))
+    elif config.dataset == "multi-turn":
+        requests = prefix_workloads.multi_turn_requests(config.conversations, config.turns, config.turn_len,
+                                                        config.output_len, config.prefix_len)
+        starts = workloads.arrival_offsets(config.conversations, config.request_rate, config.burstiness, arrival_rng)
+        offsets = prefix_workloads.conversation_offsets(requests, starts)
+        prompts = prefix_workloads.multi_turn_messages(requests, config.turn_len, config.prefix_len, vocabulary,
+                                                       prompt_rng)
+    elif config.dataset == "shared-prefix":
+        requests = prefix_workloads.shared_prefix_requests(num_prompts, config.prefix_len, config.suffix_len,
+                                                           config.output_len)
+        offsets = workloads.arrival_offsets(len(requests), config.request_rate, config.burstiness, arrival_rng)
+        prompts = prefix_workloads.shared_prefix_prompts(requests, config.prefix_len, vocabulary, prompt_rng)
+    else:
+        requests = workloads.random_requests(num_prompts, config.input_len, config.output_len,
+                                             config.range_ratio, length_rng)
+        offsets = workloads.arrival_offsets(len(requests), config.request_rate, config.burstiness, arrival_rng)
+        prompts = workloads.prompt_token_ids(requests, vocabulary, prompt_rng)
     return Workload(requests, prompts, [float(t) for t in offsets])
 
 
@@ -115,10 +155,10 @@ def make_backend(config: ServeBenchConfig):
     if config.backend == "openai":
         from shiftjax.serving.bench.openai_backend import OpenAIBackend
 
-        return OpenAIBackend(config.server, model=config.model, api_key=api_key)
+        return OpenAIBackend(config.server, model=config.model, api_key=api_key, cache_salt=config.cache_salt)
     from shiftjax.serving.bench.grpc_backend import GrpcBackend
 
-    return GrpcBackend(config.server, api_key=api_key)
+    return GrpcBackend(config.server, api_key=api_key, cache_salt=config.cache_salt)
 
 
 async def run_serve_bench(config: ServeBenchConfig, workload: Workload | None = None) -> dict:
@@ -134,13 +174,15 @@ async def run_serve_bench(config: ServeBenchConfig, workload: Workload | None = 
             server_info = await backend.server_info()
         except Exception as error:  # info is a courtesy for the result file, not the run
             server_info = {"error": f"{type(error).__name__}: {error}"}
-        await warm_up(backend, workload, config.warmup_requests)
+        warmed = await warm_up(backend, workload, config.warmup_requests)
         started_unix = time.time()  # to line the requests up with a server's step trace
         client_cpu = time.process_time()
-        records, duration = await run_load(backend, workload.requests, workload.prompts, workload.send_offsets,
-                                           max_concurrency=config.max_concurrency, progress=config.progress)
+        run = await run_load(backend, workload.requests, workload.prompts, workload.send_offsets,
+                             max_concurrency=config.max_concurrency, progress=config.progress)
         client_cpu = time.process_time() - client_cpu
+    records, duration = run.records, run.duration_s
     summary = metrics.summarize(records, duration, slos, config.percentiles)
+    summary["prefix_cache"] |= best_hit_rate(config, workload, run, warmed)
     # One Python process parses every streamed chunk; near 1.0 the client, not the server,
     # may be what limits the run (and inflates ITL). With the server in the same process
     # (tests) this counts the server too.
@@ -157,24 +199,50 @@ async def run_serve_bench(config: ServeBenchConfig, workload: Workload | None = 
     }
 
 
-async def warm_up(backend, workload: Workload, count: int) -> None:
-    """Sends the first ``count`` requests of the workload one after another and forgets
-    them: first-use costs on either side (connections, allocator, lazy set-up) stay out of
-    the measurement. A warm-up that fails stops the run, since the server is not right."""
-    for index in range(min(count, len(workload.requests))):
+def best_hit_rate(config: ServeBenchConfig, workload: Workload, run, warmed: list[int]) -> dict:
+    """The best hit rate an LRU cache of ``config.cache_blocks`` blocks could reach on what
+    was sent, in the order it was sent (the warm-up first, filling the cache, uncounted),
+    counted over the completed requests as the measured rate is. A hash trace's blocks are
+    its hash ids (partial last blocks included); other prompts' are their full blocks of
+    ``config.cache_block_size`` tokens, which should be the server's page size."""
+    order = warmed + run.sent_order
+    prompts = [workload.prompts[i] for i in warmed] + [run.prompts[i] for i in run.sent_order]
+    lengths = [len(p) for p in prompts]
+    counted = [False] * len(warmed) + [run.records[i].success for i in run.sent_order]
+    block = config.cache_block_size
+    if config.dataset == "hash-trace":
+        chains = prefix_cache_bound.hash_id_chains([workload.requests[i].hash_ids for i in order], lengths, block)
+    else:
+        chains = prefix_cache_bound.token_chains(prompts, block)
+    return {"best_hit_rate": prefix_cache_bound.best_hit_rate(chains, lengths, config.cache_blocks, counted),
+            "block_size": block, "capacity_blocks": math.inf if config.cache_blocks is None else config.cache_blocks}
+
+
+async def warm_up(backend, workload: Workload, count: int) -> list[int]:
+    """Sends the first ``count`` requests of the workload that follow no other, one after
+    another, and forgets them: first-use costs on either side (connections, allocator, lazy
+    set-up) stay out of the measurement. Returns their indices. A warm-up that fails stops
+    the run, since the server is not right."""
+    chosen = [i for i, request in enumerate(workload.requests) if request.previous is None][:max(count, 0)]
+    for index in chosen:
         request = workload.requests[index]
         record = metrics.RequestRecord(index=-1, prompt_len=request.prompt_len, output_len=request.output_len)
         await backend.generate(record, workload.prompts[index])
         if not record.success:
             raise ConnectionError(f"the warm-up request failed: {record.error}")
+    return chosen
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """The options that say what to send and when (shared with ``bench compare``)."""
     parser.add_argument("--backend", choices=BACKENDS, default="grpc")
-    parser.add_argument("--dataset", choices=("random", "trace"), default="random")
+    parser.add_argument("--dataset", choices=DATASETS, default="random",
+                        help="hash-trace: a JSONL trace with hash_ids; shared-prefix: --num-prompts prompts of one "
+                             "--prefix-len prefix and their own --suffix-len suffix; multi-turn: --conversations "
+                             "chats of --turns turns, each turn the last prompt, its answer and --turn-len new tokens")
     parser.add_argument("--num-prompts", type=int, default=None,
-                        help=f"requests (random: default {DEFAULT_RANDOM_PROMPTS}; a trace: at most this many)")
+                        help=f"requests (random, shared-prefix: default {DEFAULT_RANDOM_PROMPTS}; a trace: at most "
+                             "this many; multi-turn: not used)")
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--range-ratio", type=float, default=0.0,
@@ -185,7 +253,22 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=None, help="seconds of trace time to replay")
     parser.add_argument("--max-input-len", type=int, default=None, help="clip trace prompts to this many tokens")
     parser.add_argument("--max-output-len", type=int, default=None, help="clip trace outputs to this many tokens")
-    parser.add_argument("--request-rate", type=float, default=math.inf, help="requests per second (inf: all at once)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens per hash id of a hash-trace (default 512), and per block of the best prefix-cache "
+                             f"hit rate the report shows (other datasets: default {DEFAULT_CACHE_BLOCK}, give the "
+                             "server's page size)")
+    parser.add_argument("--cache-blocks", type=int, default=None,
+                        help="the cache capacity, in blocks, of that best hit rate (default: infinite)")
+    parser.add_argument("--prefix-len", type=int, default=0,
+                        help="shared-prefix: the shared prefix's tokens; multi-turn: a system prompt all chats share")
+    parser.add_argument("--suffix-len", type=int, default=128, help="shared-prefix: each prompt's own tokens")
+    parser.add_argument("--conversations", type=int, default=8, help="multi-turn: chats, started on the arrival process")
+    parser.add_argument("--turns", type=int, default=4, help="multi-turn: turns per chat, each sent when the last ends")
+    parser.add_argument("--turn-len", type=int, default=128, help="multi-turn: tokens of each new user message")
+    parser.add_argument("--cache-salt", default=None,
+                        help="sent with every request: the server shares cached prompt pages within one salt only")
+    parser.add_argument("--request-rate", type=float, default=math.inf,
+                        help="requests per second (inf: all at once); multi-turn: conversations per second")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson, < 1 burstier")
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
@@ -205,7 +288,10 @@ def config_from_args(args: argparse.Namespace, server: str) -> ServeBenchConfig:
         server=server, backend=args.backend, dataset=args.dataset, num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio, trace=args.trace,
         time_scale=args.time_scale, start=args.start, duration=args.duration,
-        max_input_len=args.max_input_len, max_output_len=args.max_output_len, request_rate=args.request_rate,
+        max_input_len=args.max_input_len, max_output_len=args.max_output_len, block_size=args.block_size,
+        cache_blocks=args.cache_blocks, prefix_len=args.prefix_len, suffix_len=args.suffix_len,
+        conversations=args.conversations, turns=args.turns, turn_len=args.turn_len, cache_salt=args.cache_salt,
+        request_rate=args.request_rate,
         burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed,
         warmup_requests=args.warmup_requests, goodput=args.goodput,
         percentiles=[float(p) for p in args.percentiles.split(",")], tokenizer=args.tokenizer,

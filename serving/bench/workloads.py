@@ -2,7 +2,9 @@
 
 Two sources of requests: ``random`` (lengths drawn around a given input and output
 length, arrivals drawn from a gamma process) and ``trace`` (lengths and arrival times
-replayed from a recorded trace: the Azure LLM inference CSV files or JSONL).
+replayed from a recorded trace: the Azure LLM inference CSV files or JSONL, whose rows may
+carry the ``hash_ids`` of their prompt blocks: ``prefix_workloads.py`` builds prompts of
+them, and the shared-prefix and multi-turn workloads).
 
 Prompts are token ids, never text, so that a prompt has exactly the length asked for
 whatever the tokenizer does to text; outputs are asked for with ``ignore_eos`` so that
@@ -24,11 +26,17 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class WorkloadRequest:
     """One request to send: its lengths and, for a replayed trace, its arrival time in
-    seconds from the start of the run (``None``: the arrival process decides)."""
+    seconds from the start of the run (``None``: the arrival process decides) and its
+    prompt's block ids (a hash-id trace). A turn of a conversation names the request it
+    follows (``previous``): its prompt is that request's prompt and answer, then its own."""
 
     prompt_len: int
     output_len: int
     arrival_s: float | None = None
+    hash_ids: tuple[int, ...] | None = None
+    conversation: int | None = None
+    turn: int | None = None
+    previous: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +44,7 @@ class TraceRow:
     timestamp_s: float  # seconds, any origin
     prompt_len: int
     output_len: int
+    hash_ids: tuple[int, ...] | None = None  # one per block of the prompt (Mooncake traces)
 
 
 def random_requests(num_requests: int, input_len: int, output_len: int, range_ratio: float,
@@ -83,8 +92,8 @@ def arrival_offsets(num_requests: int, request_rate: float, burstiness: float,
 
 def read_trace(path: str | Path) -> list[TraceRow]:
     """Rows of an Azure LLM inference CSV (``TIMESTAMP, ContextTokens, GeneratedTokens``)
-    or of a JSONL trace (``timestamp`` in ms, ``input_length``, ``output_length``), in
-    time order."""
+    or of a JSONL trace (``timestamp`` in ms, ``input_length``, ``output_length``, and
+    optionally ``hash_ids``, a list of non-negative ints), in time order."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"--trace {path}: no such file")
@@ -126,13 +135,22 @@ def _read_jsonl(path: Path) -> list[TraceRow]:
         try:
             item = json.loads(line)
             rows.append(TraceRow(float(item["timestamp"]) / 1000.0, int(item["input_length"]),
-                                 int(item["output_length"])))
+                                 int(item["output_length"]), _hash_ids(item.get("hash_ids"))))
         except (ValueError, KeyError, TypeError) as error:
             raise ValueError(
                 f"--trace {path}, line {line_number}: expected an object with timestamp (ms), "
-                f"input_length and output_length ({error!r})"
+                f"input_length, output_length and optionally hash_ids ({error!r})"
             ) from None
     return rows
+
+
+def _hash_ids(value) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                              for i in value):
+        raise ValueError(f"hash_ids must be a list of non-negative ints, got {str(value)[:80]}")
+    return tuple(value)
 
 
 def window_trace(rows: list[TraceRow], *, start_s: float = 0.0, duration_s: float | None = None,
@@ -151,7 +169,8 @@ def window_trace(rows: list[TraceRow], *, start_s: float = 0.0, duration_s: floa
     if not chosen:
         raise ValueError(f"the trace has no requests in [{start_s}, {start_s + (duration_s or math.inf)}) s")
     return [
-        WorkloadRequest(max(1, row.prompt_len), max(1, row.output_len), (row.timestamp_s - origin) * time_scale)
+        WorkloadRequest(max(1, row.prompt_len), max(1, row.output_len), (row.timestamp_s - origin) * time_scale,
+                        row.hash_ids)
         for row in chosen
     ]
 
