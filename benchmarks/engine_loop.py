@@ -13,9 +13,8 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
 import model_gpu
+import numpy as np
 from model_gpu import device_random_params
 from roofline import device_idle
 from shift_x2 import COMMAND_BUFFER_OPTIONS, PAGE, big_config, kv_bytes_per_token, log, weight_bytes_per_device
@@ -26,7 +25,6 @@ from shiftjax.serving.engine import transfers
 from shiftjax.serving.engine.core import Engine, EngineConfig
 from shiftjax.serving.engine.sampling_params import SamplingParams
 from shiftjax.weights import shard_params
-
 
 # the engine variants that set EngineConfig fields (engine_loop); the others keep the defaults
 _VARIANT_CONFIG = {"cublas": {"gemm": "cublas"}, "triton": {"gemm": "triton"}, "triton_small_graphs": {"gemm": "triton"},

@@ -32,9 +32,9 @@ from model_gpu import LLAMA8B, device_random_params  # noqa: E402
 
 from shiftjax.cache import CacheConfig, allocate_cache  # noqa: E402
 from shiftjax.layouts.mesh import make_mesh  # noqa: E402
+from shiftjax.serving.engine.batch_upload import abstract_upload  # noqa: E402
 from shiftjax.serving.engine.executables import engine_step  # noqa: E402
 from shiftjax.serving.engine.transfers import batch_sharding, result_columns  # noqa: E402
-from shiftjax.serving.engine.batch_upload import abstract_upload  # noqa: E402
 from shiftjax.step_options import StepOptions  # noqa: E402
 from shiftjax.steps import make_step, params_for  # noqa: E402
 from shiftjax.weights import shard_params  # noqa: E402

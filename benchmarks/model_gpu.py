@@ -37,9 +37,9 @@ from shiftjax.config import ModelConfig  # noqa: E402
 from shiftjax.layouts.mesh import make_mesh  # noqa: E402
 from shiftjax.params import param_shapes, params_from_flat, random_params  # noqa: E402
 from shiftjax.serving.engine.buckets import BucketLadder, pad_batch  # noqa: E402
-from shiftjax.serving.engine.transfers import to_device  # noqa: E402
 from shiftjax.serving.engine.sampling_params import SamplingParams  # noqa: E402
 from shiftjax.serving.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from shiftjax.serving.engine.transfers import to_device  # noqa: E402
 from shiftjax.step_options import StepOptions  # noqa: E402
 from shiftjax.steps import make_step, params_for  # noqa: E402
 from shiftjax.weights import shard_params  # noqa: E402

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
+from shiftjax.serving.engine import scheduler as current
 from shiftjax.serving.engine.batch_upload import pack_batch
 from shiftjax.serving.engine.buckets import pad_batch
 from shiftjax.serving.engine.sampling_params import SamplingParams
-from shiftjax.serving.engine import scheduler as current
 
 
 def scheduler_at(revision: str) -> types.ModuleType:

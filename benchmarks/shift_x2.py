@@ -32,8 +32,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import model_gpu  # noqa: E402
-from model_gpu import LLAMA8B, SMOLLM2, device_random_params  # noqa: E402
 import roofline  # noqa: E402
+from model_gpu import LLAMA8B, SMOLLM2, device_random_params  # noqa: E402
 from roofline import device_time, time_fn  # noqa: E402
 
 from shiftjax.batch import empty_batch  # noqa: E402
@@ -43,8 +43,8 @@ from shiftjax.kernels.collectives import setup_one_shot  # noqa: E402
 from shiftjax.layouts.mesh import make_mesh  # noqa: E402
 from shiftjax.serving.engine import compile as compiling  # noqa: E402
 from shiftjax.serving.engine.core import Engine, EngineConfig  # noqa: E402
-from shiftjax.serving.engine.transfers import to_device  # noqa: E402
 from shiftjax.serving.engine.sampling_params import SamplingParams  # noqa: E402
+from shiftjax.serving.engine.transfers import to_device  # noqa: E402
 from shiftjax.step_options import GEMM_BACKENDS, StepOptions  # noqa: E402
 from shiftjax.steps import make_step, params_for  # noqa: E402
 from shiftjax.weights import shard_params  # noqa: E402
@@ -488,7 +488,8 @@ def collectives(smoke: bool) -> dict:
     """Seconds of one all-reduce (``psum``) and one all-to-all over both devices against
     message size (bytes per device), the inputs of the 8-GPU projection (issue 9): each
     collective chained ``repeats`` times inside one jit so launch cost is amortised as in a step."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
     sizes = [1 << 12, 1 << 16, 1 << 20, 1 << 24] if smoke else [1 << k for k in range(12, 28, 2)]

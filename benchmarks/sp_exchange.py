@@ -41,7 +41,6 @@ from shiftjax.serving.engine.compile import xla_compiler_options  # noqa: E402
 from shiftjax.step_options import StepOptions  # noqa: E402
 from shiftjax.weights import shard_params  # noqa: E402
 
-
 # (xla_gpu_enable_analytical_latency_estimator is not here: with it XLA aborts the process,
 # a CHECK in TritonFusion::GetLaunchConfig, JAX 0.11.2 on 2x H200)
 SCHEDULER_OPTIONS = {

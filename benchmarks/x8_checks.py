@@ -47,8 +47,8 @@ from shiftjax.checkpoints.default_model import default_model_path  # noqa: E402
 from shiftjax.checkpoints.load import load_weights  # noqa: E402
 from shiftjax.layouts.mesh import make_mesh  # noqa: E402
 from shiftjax.serving.engine.core import Engine, EngineConfig  # noqa: E402
-from shiftjax.serving.engine.transfers import to_device  # noqa: E402
 from shiftjax.serving.engine.sampling_params import SamplingParams  # noqa: E402
+from shiftjax.serving.engine.transfers import to_device  # noqa: E402
 from shiftjax.step_options import StepOptions  # noqa: E402
 from shiftjax.steps import make_step, params_for  # noqa: E402
 from shiftjax.weights import shard_params  # noqa: E402
@@ -73,7 +73,8 @@ def _shard_map(fn, mesh, spec_in, spec_out):
 
 def check_values() -> dict:
     """psum and all_to_all values over every device, checked against numpy."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("x",), devices=jax.devices())
@@ -117,7 +118,8 @@ def check_values() -> dict:
 def collectives(dry_run: bool) -> dict:
     """Seconds of one all-reduce (psum) and one all-to-all over every device at 1 MiB and
     64 MiB per device (bf16), each chained ``repeats`` times inside one jit."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("x",), devices=jax.devices())

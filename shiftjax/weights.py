@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 import numpy as np
+from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
 from shiftjax.config import ModelConfig

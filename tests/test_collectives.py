@@ -9,6 +9,7 @@ two GPUs only: tests/test_collectives_gpu.py."""
 from __future__ import annotations
 
 import contextlib
+import types
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +18,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shiftjax.cache import CacheGeometry
 from shiftjax.config import ModelConfig
-import types
-
 from shiftjax.kernels.collectives import (
     DEFAULT_CAPACITY_BYTES,
     EXCHANGE_TARGET,
@@ -30,12 +30,11 @@ from shiftjax.kernels.collectives import (
     first_ordinal_of,
     setup_one_shot,
 )
-from shiftjax.cache import CacheGeometry
 from shiftjax.layouts.mesh import SP, TP, make_mesh
 from shiftjax.params import random_params
 from shiftjax.serving.engine.core import Engine, EngineConfig
-from shiftjax.steps import make_step
 from shiftjax.step_options import StepOptions
+from shiftjax.steps import make_step
 from shiftjax.weights import shard_params
 
 AXES = (SP, TP)

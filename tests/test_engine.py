@@ -13,12 +13,12 @@ from test_parallel import transformers_model
 from shiftjax.config import ModelConfig
 from shiftjax.layouts.mesh import make_mesh
 from shiftjax.params import random_params
-from shiftjax.serving.engine import scheduler as scheduler_module
-from shiftjax.serving.engine.page_allocator import PageAllocator
 from shiftjax.serving.engine import compile as compiling
+from shiftjax.serving.engine import scheduler as scheduler_module
 from shiftjax.serving.engine import transfers
-from shiftjax.serving.engine.core import Engine, EngineConfig, StepFailed
 from shiftjax.serving.engine.buckets import BucketLadder, NoBucket
+from shiftjax.serving.engine.core import Engine, EngineConfig, StepFailed
+from shiftjax.serving.engine.page_allocator import PageAllocator
 from shiftjax.serving.engine.sampling_params import SamplingParams
 from shiftjax.serving.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
 from shiftjax.step_options import GEMM_BACKENDS, StepOptions

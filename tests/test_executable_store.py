@@ -8,16 +8,16 @@ import sys
 
 import pytest
 
+from shiftjax.cache import CacheGeometry
 from shiftjax.config import ModelConfig
 from shiftjax.layouts.mesh import make_mesh
 from shiftjax.params import random_params
-from shiftjax.serving.engine import executable_store
-from shiftjax.cache import CacheGeometry
-from shiftjax.serving.engine.buckets import BucketLadder
-from shiftjax.step_options import StepOptions
 from shiftjax.serving.engine import compile as compiling
+from shiftjax.serving.engine import executable_store
+from shiftjax.serving.engine.buckets import BucketLadder
 from shiftjax.serving.engine.core import Engine, EngineConfig
 from shiftjax.serving.engine.sampling_params import SamplingParams
+from shiftjax.step_options import StepOptions
 from shiftjax.weights import shard_params
 
 CONFIG = ModelConfig(architecture="llama", vocab_size=96, hidden_size=32, intermediate_size=64,

@@ -11,8 +11,8 @@ import pytest
 
 from shiftjax.serving.engine import cuda_free_memory as cuda_memory
 from shiftjax.serving.engine.cuda_free_memory import cuda_free_and_total
-from shiftjax.serving.engine.xla_allocator import JAX_ALLOCATOR_VARIABLE, use_gpu_allocator
 from shiftjax.serving.engine.page_budget import device_memory
+from shiftjax.serving.engine.xla_allocator import JAX_ALLOCATOR_VARIABLE, use_gpu_allocator
 
 
 def test_unknown_allocator_is_refused():

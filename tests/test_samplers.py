@@ -15,8 +15,8 @@ from shiftjax.layouts.mesh import make_mesh
 from shiftjax.params import random_params
 from shiftjax.sampling import pack_samples
 from shiftjax.serving.engine.buckets import BucketLadder
-from shiftjax.serving.engine.transfers import place_upload, to_device
 from shiftjax.serving.engine.sampler_executables import Samplers, needs_sampler
+from shiftjax.serving.engine.transfers import place_upload, to_device
 from shiftjax.step_options import StepOptions
 from shiftjax.steps import make_step, params_for
 from shiftjax.weights import shard_params

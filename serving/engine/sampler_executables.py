@@ -20,9 +20,9 @@ import numpy as np
 from shiftjax.batch import StepBatch
 from shiftjax.sampling import pack_samples
 from shiftjax.serving.engine.batch_upload import abstract_upload, unpack_sequences
-from shiftjax.serving.engine.executable_store import ExecutableStore, sampler_key
 from shiftjax.serving.engine.buckets import BucketLadder
 from shiftjax.serving.engine.compile import JaxCompileEvents
+from shiftjax.serving.engine.executable_store import ExecutableStore, sampler_key
 from shiftjax.serving.engine.transfers import batch_sharding, pad_result, place_replicated
 from shiftjax.step_options import StepOptions
 from shiftjax.weights import ModelWeights
