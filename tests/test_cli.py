@@ -99,3 +99,16 @@ def test_dummy_weights_without_the_compilation_cache():
     assert "report no memory statistics" in result.stderr  # the CPU's page-pool fallback, said so
     [completion] = completions(result)
     assert len(completion["output_ids"]) == 12
+
+
+def test_prefix_caching_is_on_unless_turned_off_on_generate_and_serve():
+    from shiftjax.serving.cli import _parse_generate
+    from shiftjax.serving.engine.config import EngineConfig
+    from shiftjax.serving.engine.engine_args import engine_options
+    from shiftjax.serving.server.cli import _parser as serve_parser
+
+    for parse in (lambda argv: _parse_generate(["hi", *argv]), serve_parser().parse_args):
+        assert EngineConfig(**engine_options(parse([]))).enable_prefix_caching is True
+        assert EngineConfig(**engine_options(parse(["--no-enable-prefix-caching"]))).enable_prefix_caching is False
+        assert engine_options(parse(["--no-enable-prefix-caching", "--enable-prefix-caching"]))[
+            "enable_prefix_caching"] is True

@@ -120,6 +120,22 @@ def test_invalid_requests_get_invalid_argument_naming_the_field(client, fake, fi
     assert fake.free_pages == fake.num_pages
 
 
+def test_the_cache_salt_reaches_the_service_and_a_mistyped_one_is_refused_by_name(client, fake):
+    client.complete(prompt_ids=[5], max_tokens=1, cache_salt="tenant-a")
+    assert fake.submitted[-1].cache_salt == "tenant-a"
+    client.complete(prompt_ids=[5], max_tokens=1, cache_salt="")  # proto3: an empty string is the field left out
+    assert fake.submitted[-1].cache_salt is None
+    # cache_salt (field 17, a string) sent as a varint, as a client with a wrong .proto would
+    wrong = pb.GenerateRequest(prompt_ids=[5], max_tokens=1).SerializeToString() + bytes([0x88, 0x01, 7])  # tag 17<<3|0
+    generate = client.channel.unary_stream("/shiftjax.v1.InferenceService/Generate",
+                                           response_deserializer=pb.GenerateResponse.FromString)
+    with pytest.raises(grpc.RpcError) as caught:
+        list(generate(wrong, timeout=30))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("cache_salt: must be a string"), caught.value.details()
+    assert fake.free_pages == fake.num_pages
+
+
 def test_full_queue_is_resource_exhausted_and_draining_service_unavailable(client, fake):
     fake.max_running = 0
     try:

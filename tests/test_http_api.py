@@ -66,6 +66,15 @@ def test_sampling_parameters_reach_the_service(client, service):
     assert (params.max_tokens, params.temperature, params.top_p, params.seed, params.top_k, params.min_p) == \
         (40, 0.7, 0.9, 1234, 5, 0.05)
     assert params.stop == ("xyz", "!") and params.stop_token_ids == (7,) and params.ignore_eos
+    assert service.submitted[0].cache_salt is None
+
+
+def test_cache_salt_reaches_every_prompt_of_the_request(client, service):
+    r = client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 1, "cache_salt": "tenant-a"})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, "cache_salt": "tenant-b"})
+    assert r.status_code == 200, r.text
+    assert [request.cache_salt for request in service.submitted] == ["tenant-a", "tenant-a", "tenant-b"]
 
 
 def test_openai_defaults(client, service):
@@ -89,7 +98,8 @@ def test_token_id_prompts_and_several_prompts(client, service):
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert all(c["text"] == "Hel" for c in body["choices"])
-    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 9, "total_tokens": 15}
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 9, "total_tokens": 15,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert [r.prompt_ids for r in service.submitted[-3:]] == [(97,), (98, 99), (100, 101, 102)]
 
     r = client.post("/v1/completions", json={"prompt": [[1, 2], [3]], "max_tokens": 1})
@@ -132,7 +142,8 @@ def test_stream_usage_when_asked(client):
     chunks = events(r)[:-1]
     assert all(c["usage"] is None for c in chunks[:-1])
     assert chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                                   "prompt_tokens_details": {"cached_tokens": 0}}
     texts = {0: "", 1: ""}
     for c in chunks[:-1]:
         texts[c["choices"][0]["index"]] += c["choices"][0]["text"]
@@ -210,6 +221,9 @@ def test_eos_ends_the_reply_without_text(client):
     ({"prompt": [1, 99999]}, "prompt"),
     ({"prompt": ["ok", ""]}, "prompt.1"),
     ({"prompt": [[5], [1, -2]]}, "prompt.1"),
+    ({"cache_salt": 5}, "cache_salt"),
+    ({"cache_salt": ["tenant"]}, "cache_salt"),
+    ({"cache_salt": ""}, "cache_salt"),  # refused, as vLLM refuses it, rather than read as no salt
 ])
 def test_completion_refusals_name_the_field(client, service, extra, param):
     r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4} | extra)
@@ -235,6 +249,8 @@ def test_completion_refusals_name_the_field(client, service, extra, param):
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0"),
     ({"audio": {"voice": "x"}}, "audio"),
+    ({"cache_salt": 1.5}, "cache_salt"),
+    ({"cache_salt": {"tenant": "a"}}, "cache_salt"),
 ])
 def test_chat_refusals_name_the_field(client, extra, param):
     r = client.post("/v1/chat/completions", json={"messages": CHAT} | extra)

@@ -1,6 +1,7 @@
 """The official openai client against the real engine service on the default model
 (SmolLM2-135M-Instruct, sp 2 x tp 2 on CPU devices), served by uvicorn on loopback: greedy
-text equals offline ``LLM.generate``; the metrics count what was served; a client that
+text equals offline ``LLM.generate``; the metrics count what was served; a repeated long
+prompt's usage reports its cached tokens, another ``cache_salt`` none; a client that
 disconnects mid-stream gets its pages freed at once."""
 
 import time
@@ -93,6 +94,47 @@ def test_openai_client_gets_the_offline_greedy_text(served, client):
     assert sum(v for (name, _), v in after.items() if name == "shiftjax_steps_total") > 0
     assert after[("shiftjax_startup_executables", ())] > 0
     assert after[("shiftjax_kv_page_utilization", ())] == 0  # every request finished: pages back
+
+
+LONG = ("In 1905 Albert Einstein published four papers that changed physics: on the photoelectric effect, "
+        "on Brownian motion, on special relativity, and on the equivalence of mass and energy. The")
+
+
+def test_a_repeated_long_prompt_reports_cached_tokens_and_another_salt_none(served, client):
+    service, url, _ = served
+    before = scrape(url)
+
+    def cached(**options) -> tuple[int, int, str]:
+        reply = client.completions.create(model=MODEL, prompt=LONG, max_tokens=2, temperature=0, **options)
+        return reply.usage.prompt_tokens_details.cached_tokens, reply.usage.prompt_tokens, reply.choices[0].text
+
+    first, prompt_tokens, text = cached(extra_body={"cache_salt": "first-of-this-test"})
+    again = cached(extra_body={"cache_salt": "first-of-this-test"})
+    other = cached(extra_body={"cache_salt": "another-tenant"})
+    full_pages = (prompt_tokens - 1) // 16 * 16  # every full page but the one with the last token
+    assert prompt_tokens > 32 and first == 0 and again == (full_pages, prompt_tokens, text)
+    assert other == (0, prompt_tokens, text)
+    stream = client.completions.create(model=MODEL, prompt=LONG, max_tokens=2, temperature=0, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"cache_salt": "another-tenant"})
+    assert list(stream)[-1].usage.prompt_tokens_details.cached_tokens == full_pages
+    chat = [{"role": "user", "content": LONG}]
+    replies = [client.chat.completions.create(model=MODEL, messages=chat, max_tokens=1, temperature=0)
+               for _ in range(2)]
+    assert replies[1].usage.prompt_tokens_details.cached_tokens >= 32
+
+    after = scrape(url)
+    queries, hits = (after[(f"shiftjax_prefix_cache_{name}_total", ())]
+                     - before.get((f"shiftjax_prefix_cache_{name}_total", ()), 0) for name in ("queries", "hits"))
+    assert queries == 4 * prompt_tokens + sum(r.usage.prompt_tokens for r in replies)
+    # the first chat reply shares the chat template's opening (the default system prompt) too
+    assert hits == 2 * full_pages + sum(r.usage.prompt_tokens_details.cached_tokens for r in replies)
+    assert after[("shiftjax_prefix_cache_pages", ())] >= 3 * full_pages // 16
+    info = service.info()["prefix_cache"]
+    assert info["enabled"] and info["hits"] >= hits and 0 < info["hit_rate"] < 1
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=MODEL, prompt=LONG, max_tokens=1, extra_body={"cache_salt": 42})
+    assert error.value.param == "cache_salt" and "string" in str(error.value)
 
 
 def test_logprobs_of_the_real_model(client):

@@ -116,6 +116,23 @@ def test_gauges_are_read_from_stats_at_every_scrape():
     assert s[("shiftjax_draining", ())] == 1
 
 
+def test_prefix_cache_counters_and_pages_are_read_from_stats_at_every_scrape():
+    current = {"stats": stats(prefix_cache_queries=120, prefix_cache_hits=48, cached_pages=6, evicted_pages=2)}
+    m = Metrics(stats=lambda: current["stats"])
+    s = samples(m)
+    assert s[("shiftjax_prefix_cache_queries_total", ())] == 120  # tokens, as vLLM counts them
+    assert s[("shiftjax_prefix_cache_hits_total", ())] == 48
+    assert s[("shiftjax_prefix_cache_pages", ())] == 6
+    assert s[("shiftjax_prefix_cache_evicted_pages_total", ())] == 2
+    current["stats"] = stats(prefix_cache_queries=200, prefix_cache_hits=80, cached_pages=4, evicted_pages=5)
+    s = samples(m)
+    assert (s[("shiftjax_prefix_cache_queries_total", ())], s[("shiftjax_prefix_cache_hits_total", ())]) == (200, 80)
+    assert (s[("shiftjax_prefix_cache_pages", ())], s[("shiftjax_prefix_cache_evicted_pages_total", ())]) == (4, 5)
+    text = m.render().decode()
+    assert "# TYPE shiftjax_prefix_cache_hits_total counter" in text
+    assert "# TYPE shiftjax_prefix_cache_pages gauge" in text
+
+
 def test_a_failing_stats_call_leaves_the_rest_of_the_scrape():
     m = Metrics(stats=lambda: 1 / 0)
     m.on_preemption()

@@ -173,6 +173,20 @@ def test_llm_generate_and_the_service_end_requests_alike(engine, reference):
     assert engine.scheduler.allocator.num_free == engine.num_pages - 1
 
 
+def test_llm_generate_takes_cache_salts_and_reports_cached_tokens(engine):
+    llm = object.__new__(LLM)  # as above
+    llm.engine, llm.tokenizer = engine, CharTokenizer()
+    prompt = list(range(60, 73))  # 13 tokens no other test sends: 3 pages of 4 to share
+    [first] = llm.generate([prompt], GREEDY)
+    again, salted = llm.generate([prompt, prompt], GREEDY, cache_salt=[None, "tenant-z"])
+    assert (first.cached_tokens, again.cached_tokens, salted.cached_tokens) == (0, 12, 0)
+    assert first.output_ids == again.output_ids == salted.output_ids
+    assert llm.generate([prompt], GREEDY, cache_salt="tenant-z")[0].to_json()["cached_tokens"] == 12
+    with pytest.raises(ValueError, match="1 prompts but 2 cache salts"):
+        llm.generate([prompt], GREEDY, cache_salt=["a", "b"])
+    assert engine.scheduler.allocator.num_free == engine.num_pages - 1
+
+
 def test_cancel_close_and_deadline_free_pages_at_once(service):
     async def main():
         long = dict(max_tokens=50, ignore_eos=True)
@@ -229,12 +243,23 @@ def test_a_stream_dropped_without_being_iterated_cancels_its_request(service):
     assert service.engine.snapshot().tokens - tokens_before < 3 + 49
 
 
+def salted(salt) -> GenerationRequest:
+    """A request whose ``cache_salt`` is not a string, as an untyped caller could send it
+    (set past the constructor, which the tests' type checks guard)."""
+    request = GenerationRequest((1,), GREEDY)
+    object.__setattr__(request, "cache_salt", salt)
+    return request
+
+
 @pytest.mark.parametrize("make,field", [
     (lambda: GenerationRequest((), GREEDY), "prompt_ids"),
     (lambda: GenerationRequest((1, 96), GREEDY), "prompt_ids"),
     (lambda: GenerationRequest((1,) * 60, SamplingParams(max_tokens=10)), "max_tokens"),
     (lambda: GenerationRequest((1,), SamplingParams(max_tokens=4, logprobs=True, top_logprobs=6)), "top_logprobs"),
     (lambda: GenerationRequest((1,), SamplingParams(max_tokens=4, stop_token_ids=(500,))), "stop_token_ids"),
+    (lambda: salted(7), "cache_salt"),
+    (lambda: salted(b"tenant"), "cache_salt"),
+    (lambda: GenerationRequest((1,), GREEDY, cache_salt=""), "cache_salt"),
 ])
 def test_bad_requests_name_the_field(service, make, field):
     async def main():
@@ -244,6 +269,52 @@ def test_bad_requests_name_the_field(service, make, field):
         return await collect(service.submit(request([1, 2], max_tokens=2)))  # still serving
 
     assert asyncio.run(main())[-1].finish_reason == "length"
+
+
+LONG = list(range(40, 53))  # 13 tokens: 3 full pages of 4 to share (the last token is always computed)
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens_and_a_salt_keeps_them_apart(service):
+    async def cached(salt=None):
+        deltas = await collect(service.submit(GenerationRequest(tuple(LONG), GREEDY, cache_salt=salt)))
+        return deltas[-1].usage.cached_prompt_tokens, [t for d in deltas for t in d.token_ids]
+
+    before = service.stats()
+    (first, out), (again, out_again) = asyncio.run(cached()), asyncio.run(cached())
+    (salted, out_salted), (salted_again, _) = asyncio.run(cached("tenant-a")), asyncio.run(cached("tenant-a"))
+    assert (first, again, salted, salted_again) == (0, 12, 0, 12)
+    assert out == out_again == out_salted  # K/V from the cache changes no token
+    after = service.stats()
+    assert after.prefix_cache_queries - before.prefix_cache_queries == 4 * len(LONG)
+    assert after.prefix_cache_hits - before.prefix_cache_hits == 24 and after.cached_pages >= 6
+    assert service.cached_prefix_tokens(LONG) == service.cached_prefix_tokens(LONG, "tenant-a") == 12
+    assert service.cached_prefix_tokens(LONG, "tenant-b") == 0
+    cache = json.loads(json.dumps(service.info()))["prefix_cache"]
+    assert cache["enabled"] is True and cache["hits"] == after.prefix_cache_hits
+    assert 0 < cache["hit_rate"] == pytest.approx(after.prefix_cache_hits / after.prefix_cache_queries)
+
+
+def test_with_prefix_caching_off_nothing_is_cached_and_info_says_off():
+    weights = shard_params(random_params(CONFIG, seed=5, scale=0.3), CONFIG, make_mesh(1, 1, jax.devices()[:1]))
+    config = EngineConfig(max_model_len=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=16, num_pages=40,
+                          token_buckets=(16,), seq_buckets=(4,), attention="reference", mode="tp",
+                          enable_prefix_caching=False)  # one small executable: built in about 2 s
+    service = AsyncEngineService(Engine(weights, config, eos_token_ids=CONFIG.eos_token_ids), CharTokenizer(),
+                                 model_name="tiny")
+    service.wait_ready(60)
+    try:
+        async def cached():
+            deltas = await collect(service.submit(GenerationRequest(tuple(LONG), GREEDY)))
+            return deltas[-1].usage.cached_prompt_tokens
+
+        assert [asyncio.run(cached()) for _ in range(2)] == [0, 0]
+        assert service.cached_prefix_tokens(LONG) == 0
+        stats = service.stats()
+        assert (stats.prefix_cache_hits, stats.cached_pages) == (0, 0) and stats.prefix_cache_queries == 2 * len(LONG)
+        assert service.info()["prefix_cache"] | {"queries": 0} == {
+            "enabled": False, "hit_rate": 0.0, "queries": 0, "hits": 0, "cached_pages": 0, "evicted_pages": 0}
+    finally:
+        service.shutdown()
 
 
 class GateObserver:

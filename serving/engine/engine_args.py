@@ -82,6 +82,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "cores with cuBLAS)")
     engine.add_argument("--max-top-logprobs", type=int, default=20,
                         help="alternatives per token a request may ask for (0: none; a narrower step result)")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="share the KV-cache pages of a prompt's leading full pages with later requests "
+                             "whose prompt starts the same (vLLM's automatic prefix caching; a request's "
+                             "cache_salt keeps its pages to requests of the same salt); on by default")
     engine.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                         help="wait for each step before scheduling the next (default: the next is "
                              "scheduled and dispatched while the devices run the current one)")
@@ -137,7 +141,7 @@ def engine_options(args: argparse.Namespace) -> dict:
                 all_reduce=args.all_reduce, all_to_all=args.all_to_all, compile_workers=args.compile_workers,
                 token_buckets=args.token_buckets, seq_buckets=args.seq_buckets, num_pages=args.num_pages,
                 kv_memory_fraction=args.kv_memory_fraction, max_top_logprobs=args.max_top_logprobs,
-                async_scheduling=args.async_scheduling,
+                async_scheduling=args.async_scheduling, enable_prefix_caching=args.enable_prefix_caching,
                 executable_store=str(Path(args.compilation_cache or default_compilation_cache_dir()).absolute()
                                      / "executables") if args.executable_store else None)
 

@@ -27,6 +27,7 @@ class Completion:
     logprobs: list[float]
     modes: list[str]  # the mode of every step this request took part in
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -39,8 +40,8 @@ class LLM:
     prepared on first use); with ``load_format="dummy"``, a Hugging Face ``config.json``
     whose shape gets random weights (``tokenizer``: a directory with ``tokenizer.json``,
     default the default model's). Engine options (``max_model_len``, ``mode``, buckets,
-    ``num_pages``...) are the fields of :class:`EngineConfig`; ``report(message)`` receives
-    start-up progress (page pool, compiles).
+    ``num_pages``, ``enable_prefix_caching``...) are the fields of :class:`EngineConfig`;
+    ``report(message)`` receives start-up progress (page pool, compiles).
     """
 
     def __init__(self, model: str = "default", *, sp: int = 1, tp: int = 1, dtype: str = "float32",
@@ -73,19 +74,28 @@ class LLM:
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, chat: bool = False) -> list[Completion]:
-        """Generates for every prompt (text, or a list of token ids) in one batch."""
+                 *, chat: bool = False, cache_salt: str | Sequence[str | None] | None = None) -> list[Completion]:
+        """Generates for every prompt (text, or a list of token ids) in one batch.
+
+        ``cache_salt`` (one for every prompt, or one per prompt): a prompt shares cached
+        prefix pages only with prompts of the same salt (None: the shared cache); each
+        completion's ``cached_tokens`` says how many of its prompt tokens were found cached."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        salts = [cache_salt] * len(prompts) if cache_salt is None or isinstance(cache_salt, str) else list(cache_salt)
+        if len(salts) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(salts)} cache salts")
+        if any(salt is not None and not isinstance(salt, str) for salt in salts):
+            raise ValueError(f"cache_salt must be a string or None, got {cache_salt!r}")
         ids = [self.encode(p, chat=chat) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
         requests = []
         try:
-            for prompt_ids, sampling in zip(ids, params):
-                requests.append(self.engine.add_request(prompt_ids, sampling))
+            for prompt_ids, sampling, salt in zip(ids, params, salts):
+                requests.append(self.engine.add_request(prompt_ids, sampling, salt))
         except Exception:  # one bad prompt fails the call and leaves nothing queued
             for request in requests:
                 self.engine.abort(request)
@@ -94,7 +104,7 @@ class LLM:
         return [
             Completion(prompt_ids=r.prompt_ids, output_ids=r.output_ids, text=outputs[r][0],
                        finish_reason=outputs[r][1].finish_reason, logprobs=r.output_logprobs, modes=r.modes,
-                       stop_reason=outputs[r][1].stop_reason)
+                       stop_reason=outputs[r][1].stop_reason, cached_tokens=r.num_cached_tokens)
             for r in requests
         ]
 

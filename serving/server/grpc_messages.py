@@ -10,11 +10,14 @@ import dataclasses
 import json
 import time
 
+from google.protobuf import descriptor_pb2, unknown_fields
+
 from shiftjax.serving.engine.errors import InvalidRequest
 from shiftjax.serving.proto.shiftjax.v1 import inference_pb2 as pb
 from shiftjax.serving.server.protocol import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Delta, GenerationRequest,
                                        ServiceStats)
 from shiftjax.serving.engine.sampling_params import SamplingParams
+from shiftjax.serving.server.validation import checked_cache_salt
 
 FINISH_REASON = {FINISH_STOP: pb.FINISH_REASON_STOP, FINISH_LENGTH: pb.FINISH_REASON_LENGTH,
                  FINISH_ABORT: pb.FINISH_REASON_ABORT}
@@ -71,14 +74,30 @@ def prompt_ids_from(request: pb.GenerateRequest, tokenizer) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def refuse_mistyped_fields(message) -> None:
+    """A declared field sent with another wire type (say a number where ``cache_salt``, a
+    string, belongs) is parsed as an unknown field and would be dropped unseen: refused
+    instead, naming it."""
+    declared = message.DESCRIPTOR.fields_by_number
+    for unknown in unknown_fields.UnknownFieldSet(message):
+        field = declared.get(unknown.field_number)
+        if field is not None:
+            kind = descriptor_pb2.FieldDescriptorProto.Type.Name(field.type).removeprefix("TYPE_").lower()
+            raise InvalidRequest(field.name, f"must be a {kind} (inference.proto); it was sent as protobuf "
+                                             f"wire type {unknown.wire_type}")
+
+
 def generation_request_from(request: pb.GenerateRequest, tokenizer, time_remaining: float | None) -> GenerationRequest:
     """``time_remaining`` is the call's gRPC deadline in seconds from now (None: none), kept
     as the request's own deadline so the engine ends it even between streamed tokens. The
-    clock is read first: the later it is read, the later this deadline falls behind gRPC's."""
+    clock is read first: the later it is read, the later this deadline falls behind gRPC's.
+    An empty ``cache_salt`` is the field left out (proto3 strings have no presence)."""
     deadline = None if time_remaining is None else time.monotonic() + time_remaining
+    refuse_mistyped_fields(request)
     params = sampling_params_from(request)
     return GenerationRequest(prompt_ids=prompt_ids_from(request, tokenizer), params=params,
-                             request_id=request.request_id or None, deadline=deadline)
+                             request_id=request.request_id or None, deadline=deadline,
+                             cache_salt=checked_cache_salt(request.cache_salt or None))
 
 
 def response_from(delta: Delta) -> pb.GenerateResponse:
@@ -96,7 +115,8 @@ def response_from(delta: Delta) -> pb.GenerateResponse:
         u = delta.usage
         response.usage.CopyFrom(pb.Usage(
             prompt_tokens=u.prompt_tokens, output_tokens=u.output_tokens, queue_seconds=u.queue_seconds,
-            ttft_seconds=u.ttft_seconds, e2e_seconds=u.e2e_seconds, modes=u.modes, preemptions=u.preemptions))
+            ttft_seconds=u.ttft_seconds, e2e_seconds=u.e2e_seconds, modes=u.modes, preemptions=u.preemptions,
+            cached_prompt_tokens=u.cached_prompt_tokens))
     return response
 
 

@@ -36,6 +36,7 @@ from shiftjax.serving.server.metrics import Metrics
 from shiftjax.serving.server.protocol import Delta, GenerationRequest, prompt_ids_or_error
 from shiftjax.serving.engine.sampling_params import SamplingParams
 from shiftjax.serving.server.http_streams import PromptStreams, Totals
+from shiftjax.serving.server.validation import checked_cache_salt
 
 log = logging.getLogger(__name__)
 
@@ -134,11 +135,12 @@ def create_app(service, *, model_name: str, api_key: str | None = None,
 
     def submit_all(prompts, params: list[SamplingParams], request_id: str, body) -> PromptStreams:
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
+        salt = checked_cache_salt(body.cache_salt)
         streams = PromptStreams(service, ids)
         try:
             for rid, prompt, sampling in zip(ids, prompts, params):
-                streams.add(service.submit(GenerationRequest(prompt_ids=prompt, params=sampling, request_id=rid)),
-                            len(prompt))
+                streams.add(service.submit(GenerationRequest(prompt_ids=prompt, params=sampling, request_id=rid,
+                                                             cache_salt=salt)), len(prompt))
         except InvalidRequest as error:
             streams.cancel_all()
             raise schema.rename_field(error, body) from None
@@ -286,7 +288,9 @@ def _sse(streams: PromptStreams, request: Request, reply, include_usage: bool) -
 def _usage(totals: list[Totals]) -> dict:
     prompt = sum(t.prompt_tokens for t in totals)
     output = sum(t.output_tokens for t in totals)
-    usage = {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output}
+    cached = sum(t.usage.cached_prompt_tokens for t in totals if t.usage is not None)
+    usage = {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output,
+             "prompt_tokens_details": {"cached_tokens": cached}}
     if len(totals) == 1 and totals[0].usage is not None:  # shiftjax's extension: how it was served
         u = totals[0].usage
         usage |= {"queue_seconds": u.queue_seconds, "ttft_seconds": u.ttft_seconds,

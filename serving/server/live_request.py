@@ -95,7 +95,8 @@ class LiveRequest:
             queue_seconds=(self.first_scheduled or now) - self.submitted,
             ttft_seconds=0.0 if self.first_token is None else self.first_token - self.submitted,
             e2e_seconds=now - self.submitted, modes=tuple(request.modes) if request else (),
-            preemptions=request.preemptions if request else 0)
+            preemptions=request.preemptions if request else 0,
+            cached_prompt_tokens=request.num_cached_tokens if request else 0)
 
 
 class Outbox:

@@ -3,8 +3,9 @@
 Each ``Metrics`` owns its own ``CollectorRegistry`` (no process-global state, so two
 servers or two tests in one process never share counts). Latencies and counters are
 pushed by the engine thread through the observer hooks; the live gauges (running and
-waiting requests, KV pages) are read from ``service.stats()`` at scrape time by a custom
-collector, never stored, so they cannot go stale.
+waiting requests, KV pages) and the prefix cache's counters (tokens looked up and found,
+pages evicted: the engine counts them) are read from ``service.stats()`` at scrape time by
+a custom collector, never stored, so they cannot go stale.
 
 Which hook feeds which metric (so that nothing is counted twice):
 
@@ -26,7 +27,7 @@ import threading
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from shiftjax.serving.server.protocol import ServiceStats, Usage
@@ -176,6 +177,17 @@ class _ServiceStatsCollector(Collector):
                                 value=1.0 if stats.ready and not stats.draining else 0.0)
         yield GaugeMetricFamily(f"{PREFIX}_draining", "1 while shutting down (new requests refused).",
                                 value=1.0 if stats.draining else 0.0)
+        # as vLLM's prefix_cache_queries and prefix_cache_hits: tokens, not requests
+        yield CounterMetricFamily(f"{PREFIX}_prefix_cache_queries",
+                                  "Prompt tokens looked up in the prefix cache (at each request's first admission).",
+                                  value=stats.prefix_cache_queries)
+        yield CounterMetricFamily(f"{PREFIX}_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                  value=stats.prefix_cache_hits)
+        yield GaugeMetricFamily(f"{PREFIX}_prefix_cache_pages",
+                                "KV pages a prefix-cache block hash names (in use, or free and reusable).",
+                                value=stats.cached_pages)
+        yield CounterMetricFamily(f"{PREFIX}_prefix_cache_evicted_pages",
+                                  "Cached KV pages evicted to make room for new ones.", value=stats.evicted_pages)
 
 
 def start_metrics_server(metrics: Metrics, port: int, host: str = "127.0.0.1"):

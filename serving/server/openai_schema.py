@@ -49,6 +49,7 @@ class _SamplingFields(_Strict):
     min_p: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    cache_salt: str | None = None  # prefix-cache pages shared only among requests of this salt
     # known, implemented only at their neutral value
     n: int = 1
     presence_penalty: float = 0.0

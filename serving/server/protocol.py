@@ -40,13 +40,16 @@ class GenerationRequest:
 
     ``deadline`` is a ``time.monotonic()`` instant after which the service ends the request,
     frees its pages and raises :class:`DeadlineExceeded` from its stream; ``None`` means no
-    deadline.
+    deadline. ``cache_salt`` (vLLM's): the request shares cached prompt pages only with
+    requests of the same salt; ``None`` is the shared cache (``validation.checked_cache_salt``
+    says what a salt may be).
     """
 
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     request_id: str | None = None  # the service assigns a unique id when None
     deadline: float | None = None
+    cache_salt: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +71,7 @@ class Usage:
     e2e_seconds: float  # submit to finish
     modes: tuple[str, ...]  # the mode of every step the request ran in
     preemptions: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +108,11 @@ class ServiceStats:
     ready: bool
     draining: bool
     error: str | None = None  # why a started service stopped being ready (it needs a restart)
+    # the prefix cache, as EngineSnapshot counts it (service_info.prefix_cache_info reports it)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    cached_pages: int = 0
+    evicted_pages: int = 0
 
 
 class EngineService(Protocol):

@@ -1,6 +1,6 @@
 """The engine as a service: requests in from any asyncio loop, deltas out, one engine thread.
 
-The engine runs in its own thread (DESIGN.md, "Engine and server"). ``submit`` validates a
+The engine runs in its own thread (docs/architecture.md, "Life of a request"). ``submit`` validates a
 request at once on the caller's thread, puts it in an inbox and returns an async iterator;
 the engine thread takes the inbox, cancellations and expired deadlines *before* every
 schedule (so an aborted request's pages are free for the very next step), runs a step,
@@ -161,6 +161,11 @@ class AsyncEngineService:
         return service_stats(self.engine.snapshot() if started else None, inbox=len(self._inbox),
                              draining=self._draining, error=broken)
 
+    def cached_prefix_tokens(self, prompt_ids, cache_salt: str | None = None) -> int:
+        """Prompt tokens the engine's prefix cache holds now (0 while it starts): the
+        data-parallel router's probe, from any thread (``Engine.cached_prefix_tokens``)."""
+        return self.engine.cached_prefix_tokens(list(prompt_ids), cache_salt) if self._started else 0
+
     def info(self) -> dict:
         if not self._started:
             return {"model": self.model_name, "ready": False, **self.details}
@@ -249,7 +254,8 @@ class AsyncEngineService:
                 continue
             try:
                 params = live.request.params
-                live.engine_request = self.engine.add_request(list(live.request.prompt_ids), params)
+                live.engine_request = self.engine.add_request(list(live.request.prompt_ids), params,
+                                                              live.request.cache_salt)
                 live.output = OutputProcessor(self.tokenizer, params)
                 self._by_request[live.engine_request] = live
             except Exception as error:  # validated already; a race with the queue bound

@@ -37,7 +37,16 @@ def service_info(engine: EngineDescription, model_name: str, stats: ServiceStats
         "limits": {"max_model_len": limits.max_model_len, "max_num_seqs": limits.max_num_seqs,
                    "max_num_batched_tokens": limits.max_num_batched_tokens, "max_queue": limits.max_queue,
                    "max_top_logprobs": limits.max_top_logprobs},
+        "prefix_cache": prefix_cache_info(limits.enable_prefix_caching, stats),
     }
+
+
+def prefix_cache_info(enabled: bool, stats: ServiceStats) -> dict:
+    """Whether prefix caching is on, and what it has done: prompt tokens looked up
+    (``queries``) and found cached (``hits``), their ratio, pages named now and evicted."""
+    queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+    return {"enabled": enabled, "hit_rate": hits / queries if queries else 0.0, "queries": queries, "hits": hits,
+            "cached_pages": stats.cached_pages, "evicted_pages": stats.evicted_pages}
 
 
 def service_stats(engine: EngineSnapshot | None, *, inbox: int, draining: bool, error: str | None) -> ServiceStats:
@@ -51,7 +60,9 @@ def service_stats(engine: EngineSnapshot | None, *, inbox: int, draining: bool, 
         running=engine.running, waiting=engine.waiting + inbox, num_pages=engine.num_pages,
         free_pages=engine.free_pages, steps=engine.steps, switches=engine.switches,
         preemptions=engine.preemptions, tokens_by_mode=engine.tokens_by_mode,
-        steps_by_mode=engine.steps_by_mode, ready=error is None, draining=draining, error=error)
+        steps_by_mode=engine.steps_by_mode, ready=error is None, draining=draining, error=error,
+        prefix_cache_queries=engine.prefix_cache_queries, prefix_cache_hits=engine.prefix_cache_hits,
+        cached_pages=engine.cached_pages, evicted_pages=engine.evicted_pages)
 
 
 STEP_TRACE_STEPS = 20_000  # about a minute of steps at 3 ms each; a few MB of JSON at most
