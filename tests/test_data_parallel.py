@@ -51,6 +51,13 @@ def test_pick_replica_takes_fewest_tokens_then_fewest_requests_then_lowest_index
     assert pick_replica([0, 50, 40], [0, 1, 1], candidates=[1, 2]) == 2
 
 
+def test_pick_replica_takes_a_cached_prefix_off_what_the_request_would_owe():
+    assert pick_replica([0, 0], [0, 0], cached_tokens=[0, 32]) == 1  # equally loaded: the longest prefix
+    assert pick_replica([20, 0], [1, 0], cached_tokens=[32, 0]) == 0  # busier by less than the prefix saves
+    assert pick_replica([40, 0], [1, 0], cached_tokens=[32, 0]) == 1  # busier by more: the load decides
+    assert pick_replica([0, 0, 0], [0, 0, 0], candidates=[0, 2], cached_tokens=[0, 64, 16]) == 2
+
+
 def test_routes_each_request_to_the_replica_with_the_fewest_queued_tokens():
     dp, replicas = fake_dp(64, 64)
     long = dp.submit(request(10, 50, "long"))  # tie at 0: replica 0
@@ -77,6 +84,38 @@ def test_routes_each_request_to_the_replica_with_the_fewest_queued_tokens():
         assert dp.queued_tokens() == [2, 104] and "long" not in replicas[0].live
 
     asyncio.run(drain_some())
+
+
+class CachingFake(FakeEngineService):
+    """A fake replica whose prefix cache holds ``cached[(prompt, salt)]`` tokens of a prompt."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cached: dict[tuple, int] = {}
+        self.probes: list[tuple] = []
+
+    def cached_prefix_tokens(self, prompt_ids, cache_salt=None) -> int:
+        self.probes.append((tuple(prompt_ids), cache_salt))
+        return self.cached.get((tuple(prompt_ids), cache_salt), 0)
+
+
+def test_routes_to_the_replica_holding_the_prompts_prefix_and_counts_only_the_rest():
+    replicas = [CachingFake(VocabOnly(), step_seconds=0.0) for _ in range(3)]
+    dp = DataParallelService(replicas, VocabOnly(), devices=["fake:0", "fake:1", "fake:2"])
+    prompt = tuple(range(1, 41))
+    replicas[2].cached[(prompt, "tenant")] = 32
+    dp.submit(GenerationRequest(prompt, SamplingParams(max_tokens=4), request_id="salted", cache_salt="tenant"))
+    assert replica_of(replicas, "salted") == 2 and dp.queued_tokens() == [0, 0, 8 + 4]  # 32 prompt tokens cached
+    assert all(r.probes == [(prompt, "tenant")] for r in replicas)
+    dp.submit(GenerationRequest(prompt, SamplingParams(max_tokens=4), request_id="unsalted"))
+    assert replica_of(replicas, "unsalted") == 0  # another salt's prefix is not this request's
+    dp.submit(request(2, 2, "short"))  # 0, 44, 12 queued: the fewest, nothing cached anywhere
+    assert replica_of(replicas, "short") == 1
+    info = dp.info()
+    assert "prefix cache" in info["routing"] and info["replicas"][2]["prefix_cache_hits"] == 0
+    with pytest.raises(InvalidRequest, match="cache_salt"):  # refused before any replica is probed
+        dp.submit(GenerationRequest(prompt, SamplingParams(max_tokens=4), cache_salt=""))
+    assert len(replicas[0].probes) == 3
 
 
 def test_a_full_replica_passes_the_request_on_and_all_full_is_overloaded():
@@ -136,6 +175,20 @@ def test_stats_are_summed_and_info_says_dp():
     info = dp.info()
     assert info["mesh"]["dp"] == 2 and info["page_pool"]["num_pages"] == 512
     assert info["startup"]["executables"] == 8
+
+
+def test_prefix_cache_counts_are_summed_over_the_replicas_caches():
+    dp, replicas = fake_dp(8, 8)
+    for replica, (queries, hits) in zip(replicas, [(100, 40), (50, 10)]):
+        replica.stats = lambda real=replica.stats, q=queries, h=hits: dataclasses.replace(
+            real(), prefix_cache_queries=q, prefix_cache_hits=h, cached_pages=h // 10, evicted_pages=1)
+        replica.info = lambda real=replica.info: real() | {"prefix_cache": {"enabled": True}}
+    stats = dp.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.cached_pages, stats.evicted_pages) == \
+        (150, 50, 5, 2)
+    assert dp.info()["prefix_cache"] == {"enabled": True, "hit_rate": 50 / 150, "queries": 150, "hits": 50,
+                                         "cached_pages": 5, "evicted_pages": 2}
+    assert [r["prefix_cache_hits"] for r in dp.info()["replicas"]] == [40, 10]
 
 
 def test_info_startup_phases_are_the_slowest_replicas():
@@ -320,3 +373,36 @@ def test_bench_serve_drives_it(served, tmp_path, capsys):
     assert result["server_info"]["mesh"]["dp"] == 2
     routed = [r["routed_requests"] - b for r, b in zip(served["dp"].info()["replicas"], routed_before)]
     assert sum(routed) == 8 and min(routed) >= 2, routed
+
+
+LONG = list(range(300, 340))  # 40 tokens: 2 full pages of 16 to share; no other test sends it
+
+
+@pytest.mark.slow
+def test_a_repeated_long_prompt_goes_to_the_replica_that_served_it_first(served):
+    """Replica 1 serves the prompt first (replica 0 is busy then); asked again with both idle,
+    where the tie alone would pick replica 0, the router picks the replica holding its prefix,
+    and gRPC's usage says how many prompt tokens came from the cache."""
+    from shiftjax.serving.client.grpc_client import Client
+
+    def routed(client) -> list[int]:
+        return [r["routed_requests"] for r in replicas_info(client)]
+
+    with Client(served["address"], timeout=300.0) as client:
+        held = client.generate(prompt_ids=[51, 52, 53], max_tokens=100, ignore_eos=True)  # idle: replica 0
+        next(held)
+        before = routed(client)
+        first = client.complete(prompt_ids=LONG, max_tokens=4, ignore_eos=True)  # fewer queued: replica 1
+        assert [a - b for a, b in zip(routed(client), before)] == [0, 1]
+        held.close()
+        assert wait_for(lambda: [r["live_requests"] for r in replicas_info(client)] == [0, 0], WAIT_SECONDS)
+        before = routed(client)
+        again = client.complete(prompt_ids=LONG, max_tokens=4, ignore_eos=True)
+        assert [a - b for a, b in zip(routed(client), before)] == [0, 1]
+        assert (first.usage.cached_prompt_tokens, again.usage.cached_prompt_tokens) == (0, 32)
+        assert again.token_ids == first.token_ids
+        salted = client.complete(prompt_ids=LONG, max_tokens=4, ignore_eos=True, cache_salt="tenant-a")
+        assert salted.usage.cached_prompt_tokens == 0 and salted.token_ids == first.token_ids
+        cache = json.loads(client.info().info_json)["prefix_cache"]
+    assert cache["enabled"] and cache["hits"] >= 32 and 0 < cache["hit_rate"] < 1
+    assert served["dp"].info()["replicas"][1]["prefix_cache_hits"] >= 32

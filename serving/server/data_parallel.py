@@ -1,11 +1,12 @@
 """Data parallelism behind one endpoint: P engine services of one device each, one
 :class:`protocol.EngineService` in front of them (``shiftjax serve --dp P``).
 
-DP is the baseline the project measures Shift against (DESIGN.md, "Engine and server"):
-each replica holds the whole model on its own device, its own page pool and its own
+DP is the baseline the project measures Shift against (docs/architecture.md):
+each replica holds the whole model on its own device, its own page pool, prefix cache and
 scheduler; nothing is shared between replicas but the tokenizer and the front ends.
 :class:`DataParallelService` routes each request to the replica with the fewest *queued
-tokens* and otherwise only forwards (stream, cancel) and sums (stats).
+tokens* once the request is placed there, its cached prefix not counted, and otherwise only
+forwards (stream, cancel) and sums (stats).
 
 Queued tokens of a replica: for each request routed to it and not yet finished, its
 prompt tokens until its first output token arrives (the prefill still owed), plus
@@ -19,6 +20,17 @@ read from the engines' schedulers: those belong to the engine threads (reading t
 deques from another thread can fail mid-mutation), and the requests still in a replica's
 inbox, which no scheduler has seen yet, are exactly the ones a burst of submits must see.
 Ties go to the replica with fewer live requests, then to the lower index.
+
+Prefix-aware routing: each replica's engine is asked how many of the request's prompt
+tokens its prefix cache holds (``cached_prefix_tokens``, a read-only probe from this
+thread while the engine thread runs: a stale answer only routes worse), and those tokens
+are taken off what the request would owe there. So among replicas equally loaded the one
+holding the longest prefix wins, and a replica holding none is chosen by queued tokens as
+before; a replica that holds the prefix but is busier by more than the prefix saves loses
+it, so a prefix every request shares (a chat template's system prompt) cannot draw all
+traffic to one replica, as a strict longest-prefix rule would. (SGLang's cache-aware
+router guards the same failure with a load-imbalance threshold instead.) A replica that
+cannot answer the probe (no ``cached_prefix_tokens``) is counted as holding nothing.
 
 Why one process rather than P server processes behind a router: one tokenizer, one port,
 the same front ends (gRPC, HTTP, metrics, health, drain) over one more ``EngineService``,
@@ -43,9 +55,8 @@ prompt and 48 output tokens per replica):
   consistently.
 
 So one process is right while steps are device-bound: the bound is P x host time per
-step < step time. On 2x H200 the engine loop's host time per decode step (4-7 ms with the
-executable's launch, which releases the GIL for part of it) is now above the device's
-~4.1 ms (benchmarks/x2_results.md, "Async scheduling"), so even two replicas in threads
+step < step time. On 2x H200 the engine loop's host time per decode step is of the order of
+the device's (benchmarks/README.md, "Async scheduling and the two uploads"), so even two replicas in threads
 may contend; processes were not measured on the GPUs. For a small model with host-bound
 steps, P processes would serve up to 3x more; a replica here is any ``EngineService``,
 so a proxy to a ``shiftjax serve`` process behind this same router is the way there.
@@ -62,6 +73,8 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 
 from shiftjax.serving.engine.errors import InvalidRequest, Overloaded, Unavailable
 from shiftjax.serving.server.protocol import Delta, GenerationRequest, ServiceStats
+from shiftjax.serving.server.service_info import prefix_cache_info
+from shiftjax.serving.server.validation import checked_cache_salt
 
 
 @dataclasses.dataclass(eq=False)
@@ -97,11 +110,13 @@ def replica_loads(routes: Iterable[RoutedLoad], replicas: int) -> tuple[list[int
 
 
 def pick_replica(queued_tokens: Sequence[int], live_requests: Sequence[int],
-                 candidates: Sequence[int] | None = None) -> int:
+                 candidates: Sequence[int] | None = None, cached_tokens: Sequence[int] | None = None) -> int:
     """The index of the replica with the fewest queued tokens among ``candidates`` (default
-    all); ties to fewer live requests, then to the lower index."""
+    all), less the request's prompt tokens its prefix cache holds (``cached_tokens``, default
+    none); ties to fewer live requests, then to the lower index."""
     indices = range(len(queued_tokens)) if candidates is None else candidates
-    return min(indices, key=lambda i: (queued_tokens[i], live_requests[i], i))
+    cached = cached_tokens or [0] * len(queued_tokens)
+    return min(indices, key=lambda i: (queued_tokens[i] - cached[i], live_requests[i], i))
 
 
 class DataParallelService:
@@ -164,17 +179,28 @@ class DataParallelService:
     def _loads_locked(self) -> tuple[list[int], list[int]]:
         return replica_loads(self._routes.values(), len(self.replicas))
 
+    def cached_prefix_tokens(self, prompt_ids, cache_salt: str | None = None) -> list[int]:
+        """Per replica, the prompt tokens of ``prompt_ids`` its prefix cache holds now."""
+        return [probe(prompt_ids, cache_salt) if (probe := getattr(r, "cached_prefix_tokens", None)) else 0
+                for r in self.replicas]
+
     def submit(self, request: GenerationRequest) -> AsyncIterator[Delta]:
-        """Routes ``request`` to the replica with the fewest queued tokens; if that one's
-        waiting queue is full, to the next fewest, and :class:`Overloaded` only when every
-        replica refuses. Refusals for the request itself (:class:`InvalidRequest`) are
-        raised at once, whichever replica raised them."""
+        """Routes ``request`` to the replica with the fewest queued tokens, its cached prefix
+        there not counted (the module docstring); if that one's waiting queue is full, to
+        the next, and :class:`Overloaded` only when every replica refuses. Refusals for the
+        request itself (:class:`InvalidRequest`) are raised at once, whichever replica
+        raised them."""
         if self._draining:
             raise Unavailable("the server is shutting down and takes no new requests")
         if error := _replica_errors(r.stats() for r in self.replicas):  # a replica gave up on its devices
             raise Unavailable(error)
         if not self.ready:
             raise Unavailable("the engines are still starting (compiling their executables); retry shortly")
+        salt = checked_cache_salt(request.cache_salt)
+        try:
+            cached = self.cached_prefix_tokens(request.prompt_ids, salt)
+        except (TypeError, ValueError, OverflowError):  # ids the probe cannot hash: the replica names them
+            cached = [0] * len(self.replicas)
         with self._lock:
             request_id = request.request_id or f"req-{next(self._ids)}"
             if request_id in self._routes:
@@ -186,10 +212,11 @@ class DataParallelService:
         candidates = list(range(len(self.replicas)))
         refusal: Overloaded | None = None
         while candidates:
-            index = pick_replica(queued, live, candidates)
+            index = pick_replica(queued, live, candidates, cached)
             candidates.remove(index)
             with self._lock:
                 routed.replica = index  # counted at once: a burst of submits spreads
+                routed.prompt_tokens = len(request.prompt_ids) - cached[index]  # the prefill owed there
             try:
                 stream = self.replicas[index].submit(request)
             except Overloaded as error:
@@ -222,7 +249,9 @@ class DataParallelService:
     def stats(self) -> ServiceStats:
         """The replicas' stats summed (steps too: steps run on P devices at once); ready
         when every replica is, draining when any is; the replicas' errors, each named."""
-        each = [r.stats() for r in self.replicas]
+        return self._summed([r.stats() for r in self.replicas])
+
+    def _summed(self, each: list[ServiceStats]) -> ServiceStats:
         return ServiceStats(
             running=sum(s.running for s in each), waiting=sum(s.waiting for s in each),
             num_pages=sum(s.num_pages for s in each), free_pages=sum(s.free_pages for s in each),
@@ -231,7 +260,9 @@ class DataParallelService:
             tokens_by_mode=_sum_counts(s.tokens_by_mode for s in each),
             steps_by_mode=_sum_counts(s.steps_by_mode for s in each),
             ready=all(s.ready for s in each), draining=self._draining or any(s.draining for s in each),
-            error=_replica_errors(each))
+            error=_replica_errors(each), prefix_cache_queries=sum(s.prefix_cache_queries for s in each),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in each),
+            cached_pages=sum(s.cached_pages for s in each), evicted_pages=sum(s.evicted_pages for s in each))
 
     def step_trace(self) -> list[dict]:
         """Every replica's last steps (``AsyncEngineService.step_trace``), each tagged with
@@ -275,12 +306,17 @@ class DataParallelService:
                 "loaded_from_store": sum(s.get("loaded_from_store", 0) for s in startups),
                 # the replicas start at once: each phase took as long as its slowest replica's
                 "phase_seconds": _max_by_key(s.get("phase_seconds", {}) for s in startups)}
-        info["routing"] = "fewest queued tokens (prompt tokens not yet prefilled + max_tokens not yet streamed)"
+        if "prefix_cache" in info:  # each replica's own cache: the counts summed
+            info["prefix_cache"] = prefix_cache_info(info["prefix_cache"].get("enabled", False),
+                                                     self._summed(each_stats))
+        info["routing"] = ("fewest queued tokens (prompt tokens not yet prefilled + max_tokens not yet streamed), "
+                           "less the request's prompt tokens the replica's prefix cache holds")
         info["replicas"] = [
             {"index": i, "device": self._devices[i],
              "queued_tokens": queued[i], "live_requests": live[i],
              "routed_requests": routed[i], "running": s.running, "waiting": s.waiting,
              "num_pages": s.num_pages, "free_pages": s.free_pages, "steps": s.steps, "ready": s.ready,
+             "prefix_cache_hits": s.prefix_cache_hits, "cached_pages": s.cached_pages,
              **({"error": s.error} if s.error else {})}
             for i, s in enumerate(each_stats)]
         return info
