@@ -30,7 +30,16 @@ def test_generate_streams_the_text_and_summarises_to_stderr(server, tokenizer, c
     assert client_main(["generate", "--server", server.address, "--prompt-ids", "1,2", "--max-tokens", "6"]) == 0
     out, err = capsys.readouterr()
     assert out == tokenizer.decode(expected_output([1, 2], 6)) + "\n"
-    assert "[length; 2 prompt + 6 output tokens;" in err and "steps by mode: tp x6]" in err
+    assert "[length; 2 prompt (0 cached) + 6 output tokens;" in err and "steps by mode: tp x6]" in err
+
+
+def test_the_cache_salt_reaches_the_service(server, capsys):
+    fake = server.server.servicer.service
+    assert client_main(["generate", "--server", server.address, "--prompt-ids", "1,2", "--max-tokens", "1",
+                        "--cache-salt", "tenant-a"]) == 0
+    assert fake.submitted[-1].cache_salt == "tenant-a"
+    assert client_main(["generate", "--server", server.address, "--prompt-ids", "1,2", "--max-tokens", "1"]) == 0
+    assert fake.submitted[-1].cache_salt is None  # an empty proto string: no salt
 
 
 def test_chat_json_lines_and_info(server, tokenizer, capsys):

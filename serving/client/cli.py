@@ -1,7 +1,8 @@
 """``shiftjax client generate|chat|info --server HOST:PORT``: the gRPC API from a terminal.
 
-Text is printed as it streams in; a summary (finish reason, tokens, time to first token,
-the modes the request's steps ran in) goes to stderr. Imports no JAX, so it starts fast.
+Text is printed as it streams in; a summary (finish reason, tokens and how many of the
+prompt's came from the prefix cache, time to first token, the modes the request's steps ran
+in) goes to stderr. Imports no JAX, so it starts fast.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     sampling.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     sampling.add_argument("--stop-token-id", action="append", type=int, default=[], dest="stop_token_ids")
     sampling.add_argument("--ignore-eos", action="store_true")
+    sampling.add_argument("--cache-salt", default=None, metavar="SALT",
+                          help="share cached prompt pages only with requests of this salt (a tenant's secret)")
     sampling.add_argument("--json", action="store_true", help="print each streamed response as a JSON line")
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("generate", parents=[connection, sampling], help="continue a prompt")
@@ -56,6 +59,8 @@ def _client(args):
 def _sampling_fields(args) -> dict:
     fields = {name: getattr(args, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
               if getattr(args, name) is not None}
+    if args.cache_salt is not None:
+        fields["cache_salt"] = args.cache_salt
     return fields | {"stop": args.stop, "stop_token_ids": args.stop_token_ids, "ignore_eos": args.ignore_eos}
 
 
@@ -76,7 +81,8 @@ def _stream(responses, as_json: bool) -> int:
     usage = completion.usage
     if usage is not None:
         modes = ", ".join(f"{mode} x{count}" for mode, count in collections.Counter(usage.modes).items())
-        print(f"[{completion.finish_reason}; {usage.prompt_tokens} prompt + {usage.output_tokens} output tokens; "
+        print(f"[{completion.finish_reason}; {usage.prompt_tokens} prompt ({usage.cached_prompt_tokens} cached) + "
+              f"{usage.output_tokens} output tokens; "
               f"queue {usage.queue_seconds * 1e3:.0f} ms, TTFT {usage.ttft_seconds * 1e3:.0f} ms, "
               f"total {usage.e2e_seconds:.2f} s; steps by mode: {modes or 'none'}]", file=sys.stderr)
     return 0

@@ -5,8 +5,10 @@
 messages as the server produces them; ``complete`` collects one stream into a
 :class:`Completion`. Sampling options are the fields of ``GenerateRequest`` (``max_tokens``,
 ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``, ``stop_token_ids``,
-``ignore_eos``, ``logprobs``, ``top_logprobs``). Errors are ``grpc.RpcError`` with the
-server's status code and message.
+``ignore_eos``, ``logprobs``, ``top_logprobs``), and ``cache_salt``: the request shares
+cached prompt pages only with requests of the same salt (``usage.cached_prompt_tokens`` says
+how many prompt tokens were found cached). Errors are ``grpc.RpcError`` with the server's
+status code and message.
 """
 
 from __future__ import annotations
