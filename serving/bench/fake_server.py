@@ -50,19 +50,24 @@ class FakeEngine:
         self._cached_blocks: set[tuple] = set()  # (salt, the prompt up to a block's end)
 
     def cached_tokens(self, prompt_ids: list[int], salt: str) -> int:
-        """The leading full blocks of the prompt seen before (under this salt), in tokens;
-        every full block is cached from now on."""
+        """The leading full blocks of the prompt but its last token seen before (under this
+        salt), in tokens, as a paged server's prefix cache finds them (the last token is
+        always computed); the prompt's full blocks are cached from now on, and the answer's
+        when it is out (:meth:`tokens`)."""
         if not self.cache_block_size:
             return 0
-        hit, missed = 0, False
-        for end in range(self.cache_block_size, len(prompt_ids) + 1, self.cache_block_size):
-            key = (salt, tuple(prompt_ids[:end]))
-            if not missed and key in self._cached_blocks:
-                hit = end
-            else:
-                missed = True
-            self._cached_blocks.add(key)
+        hit, looked_up = 0, prompt_ids[:-1]
+        for end in range(self.cache_block_size, len(looked_up) + 1, self.cache_block_size):
+            if (salt, tuple(looked_up[:end])) not in self._cached_blocks:
+                break
+            hit = end
+        self._remember(prompt_ids, salt)
         return hit
+
+    def _remember(self, token_ids: list[int], salt: str) -> None:
+        if self.cache_block_size:
+            for end in range(self.cache_block_size, len(token_ids) + 1, self.cache_block_size):
+                self._cached_blocks.add((salt, tuple(token_ids[:end])))
 
     async def tokens(self, prompt_ids: list[int], max_tokens: int, salt: str = ""):
         """Yields ``(token_id, mode)`` on the schedule; returns when ``max_tokens`` are out.
@@ -70,15 +75,18 @@ class FakeEngine:
         self.requests.append({"prompt_ids": list(prompt_ids), "max_tokens": max_tokens, "cache_salt": salt})
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        answer = []
         try:
             for i in range(max_tokens):
                 await asyncio.sleep(self.prefill_delay if i == 0 else self.token_delay)
                 mode = "sp" if self.in_flight >= self.sp_from else "tp"
                 self.step_trace.append({"time": time.time(), "mode": mode, "running": self.in_flight,
                                         "waiting": 0, "num_tokens": len(prompt_ids) if i == 0 else 1})
-                yield 1000 + (len(prompt_ids) + i) % 1000, mode
+                answer.append(1000 + (len(prompt_ids) + i) % 1000)
+                yield answer[-1], mode
         finally:
             self.in_flight -= 1
+            self._remember(list(prompt_ids) + answer, salt)
 
 
 class FakeInferenceServicer(pb_grpc.InferenceServiceServicer):

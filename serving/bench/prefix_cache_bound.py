@@ -48,21 +48,24 @@ class _PrefixKeys:
         return tuple(keys)
 
 
-def lru_hit_tokens(chains: Sequence[BlockChain], capacity_blocks: int | None) -> list[int]:
+def lru_hit_tokens(chains: Sequence[BlockChain], capacity_blocks: int | None,
+                   inserted: Sequence[BlockChain] | None = None) -> list[int]:
     """For each chain, in order, the tokens of its leading blocks found in an LRU cache of
-    ``capacity_blocks`` blocks (``None``: infinite) that every earlier chain went through."""
+    ``capacity_blocks`` blocks (``None``: infinite) that every earlier chain went through.
+    ``inserted[i]``: what request ``i`` leaves in the cache, when more than its lookup (the
+    blocks its answer filled too, which a server that caches generated pages keeps)."""
     if capacity_blocks is not None and capacity_blocks < 0:
         raise ValueError(f"--cache-blocks must be >= 0, got {capacity_blocks}")
     cache: collections.OrderedDict[int, None] = collections.OrderedDict()
     hits = []
-    for chain in chains:
+    for chain, insert in zip(chains, inserted or chains):
         hit = 0
         for key, tokens in zip(chain.keys, chain.tokens):
             if key not in cache:
                 break
             hit += tokens
         hits.append(hit)
-        for key in reversed(chain.keys):
+        for key in reversed(insert.keys):
             cache[key] = None
             cache.move_to_end(key)
         while capacity_blocks is not None and len(cache) > capacity_blocks:
@@ -89,10 +92,11 @@ def hash_id_chains(hash_ids: Sequence[Sequence[int]], prompt_lens: Sequence[int]
     return chains
 
 
-def token_chains(prompts: Sequence[Sequence[int]], block_size: int) -> list[BlockChain]:
+def token_chains(prompts: Sequence[Sequence[int]], block_size: int,
+                 keys: _PrefixKeys | None = None) -> list[BlockChain]:
     """Chains of token-id prompts: their full ``block_size``-token blocks, keyed by content;
     a partial tail is no block (a paged cache holds only full pages)."""
-    keys = _PrefixKeys()
+    keys = keys or _PrefixKeys()
     chains = []
     for prompt in prompts:
         full = len(prompt) // block_size
@@ -101,11 +105,25 @@ def token_chains(prompts: Sequence[Sequence[int]], block_size: int) -> list[Bloc
     return chains
 
 
+def served_token_chains(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int] | None],
+                        block_size: int) -> tuple[list[BlockChain], list[BlockChain]]:
+    """What a paged server's prefix cache can do with token-id prompts: each request looks
+    up the full blocks of its prompt but its last token (which is always computed, for the
+    logits it samples from: vLLM V1's rule, and shiftjax's), and leaves behind the full
+    blocks of its prompt and answer (``None``: the answer is unknown, the prompt alone).
+    Returns (lookups, inserted), keyed alike."""
+    keys = _PrefixKeys()
+    lookups = token_chains([prompt[:max(len(prompt) - 1, 0)] for prompt in prompts], block_size, keys)
+    inserted = token_chains([list(prompt) + list(answer or []) for prompt, answer in zip(prompts, answers)],
+                            block_size, keys)
+    return lookups, inserted
+
+
 def best_hit_rate(chains: Sequence[BlockChain], prompt_lens: Sequence[int], capacity_blocks: int | None,
-                  counted: Sequence[bool] | None = None) -> float:
+                  counted: Sequence[bool] | None = None, inserted: Sequence[BlockChain] | None = None) -> float:
     """Hit tokens over prompt tokens of the ``counted`` chains (all by default), every chain
     passing through the cache in order (a warm-up's requests fill it and count for nothing)."""
-    hits = lru_hit_tokens(chains, capacity_blocks)
+    hits = lru_hit_tokens(chains, capacity_blocks, inserted)
     counted = [True] * len(chains) if counted is None else counted
     total = sum(length for length, keep in zip(prompt_lens, counted) if keep)
     return sum(hit for hit, keep in zip(hits, counted) if keep) / total if total else 0.0

@@ -210,11 +210,14 @@ def best_hit_rate(config: ServeBenchConfig, workload: Workload, run, warmed: lis
     lengths = [len(p) for p in prompts]
     counted = [False] * len(warmed) + [run.records[i].success for i in run.sent_order]
     block = config.cache_block_size
+    inserted = None
     if config.dataset == "hash-trace":
         chains = prefix_cache_bound.hash_id_chains([workload.requests[i].hash_ids for i in order], lengths, block)
-    else:
-        chains = prefix_cache_bound.token_chains(prompts, block)
-    return {"best_hit_rate": prefix_cache_bound.best_hit_rate(chains, lengths, config.cache_blocks, counted),
+    else:  # (answers are kept where a later turn's prompt holds them: multi-turn)
+        answers = [None] * len(warmed) + [run.records[i].output_ids for i in run.sent_order]
+        chains, inserted = prefix_cache_bound.served_token_chains(prompts, answers, block)
+    return {"best_hit_rate": prefix_cache_bound.best_hit_rate(chains, lengths, config.cache_blocks, counted,
+                                                              inserted),
             "block_size": block, "capacity_blocks": math.inf if config.cache_blocks is None else config.cache_blocks}
 
 
