@@ -7,7 +7,8 @@
 #   DRY_RUN=1 PREFIX=... bash benchmarks/run_before_after.sh   # the mechanism on the CPU
 # BEFORE (default before_tree) is the earlier tree's root; PREFIX (default h200_before_after)
 # names benchmarks/configs/compare/PREFIX_{deployments,workloads}.json, whose deployments
-# take their tree from PYTHONPATH=/tmp/shiftjax_shim_{before,after}. TESTS=0 skips the tests.
+# take their tree from PYTHONPATH=/tmp/shiftjax_shim_{before,after} (then /tmp/site, where the
+# carried wheels of device_wheels.sh go). TESTS=0 skips the tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BEFORE="${BEFORE:-before_tree}"
@@ -24,10 +25,11 @@ OUT="${OUT:-./bench_out}"; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 PY="${PY:-python3}"
 if [ "${TESTS:-1}" != 0 ] && [ "${DRY_RUN:-0}" != 1 ]; then
   # tests/conftest.py (CPU devices, beartype) is not loaded on the device: its precision setting here
-  JAX_DEFAULT_MATMUL_PRECISION=highest PYTHONPATH=/tmp/shiftjax_shim_after timeout "${TEST_TIMEOUT:-240}" \
+  JAX_DEFAULT_MATMUL_PRECISION=highest PYTHONPATH=/tmp/shiftjax_shim_after timeout "${TEST_TIMEOUT:-200}" \
     "$PY" -P -m pytest --noconftest -q -p no:cacheprovider -m gpu tests/test_kernels_gpu.py tests/test_collectives_gpu.py \
     > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests: exit $?"; tail -3 "$OUT/gpu_tests.log"
 fi
-PREFIX="${PREFIX:-h200_before_after}" STEPS="${STEPS:-all:before all:after all:before-2 all:after-2}" \
+COMPARE_ARGS="${COMPARE_ARGS:---tokenizer benchmarks/configs/smollm2-tokenizer}" \
+  PREFIX="${PREFIX:-h200_before_after}" STEPS="${STEPS:-all:before all:after all:after-off all:before-2 all:after-2 all:after-off-2}" \
   TOTAL="${TOTAL:-$((570 - SECONDS))}" OUT="$OUT" bash benchmarks/run_compare.sh
