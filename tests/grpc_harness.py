@@ -175,3 +175,26 @@ class ServerThread:
         self.run(self.server.server.stop(0))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+def self_signed_certificate(folder) -> tuple[bytes, bytes]:
+    """A self-signed certificate for localhost and 127.0.0.1 in ``folder`` (``cert.pem``,
+    ``key.pem``), as PEM bytes (the openssl CLI: the cryptography package is not installed
+    here). Both front ends take it: gRPC as bytes, uvicorn as the files."""
+    import subprocess
+
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert.read_bytes(), key.read_bytes()
+
+
+def serving_client(address: str, timeout: float = 30.0):
+    """A blocking :class:`Client` of ``address``, returned once health says SERVING (use it
+    as a context manager)."""
+    from shiftjax.serving.client.grpc_client import Client
+
+    client = Client(address, timeout=timeout)
+    client.wait_until_serving(10.0, poll_seconds=0.05)
+    return client

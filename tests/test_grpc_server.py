@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from grpc_harness import FakeEngineService, ServerThread, expected_output
+from grpc_harness import FakeEngineService, ServerThread, expected_output, self_signed_certificate, serving_client
 from shiftjax.checkpoints.default_model import default_model_path
 from shiftjax.checkpoints.tokenizer import Tokenizer
 from shiftjax.serving.client.grpc_client import Client
@@ -40,8 +40,7 @@ def server(fake):
 
 @pytest.fixture
 def client(server):
-    with Client(server.address, timeout=30.0) as c:
-        c.wait_until_serving(10.0, poll_seconds=0.05)
+    with serving_client(server.address) as c:
         yield c
 
 
@@ -107,7 +106,10 @@ INVALID = [
     ({"prompt_ids": [1], "top_logprobs": 1}, "top_logprobs"),
     ({"prompt_ids": [1, 10**9]}, "prompt_ids"),
     ({"prompt_ids": [-1]}, "prompt_ids"),
-    ({"messages": [{"role": "", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "x"}]}, "messages.1.role"),
+    ({"prompt_ids": [1], "request_id": "x" * 129}, "request_id"),
+    ({"prompt_ids": [1], "request_id": "id\x1b[2J"}, "request_id"),  # a terminal escape
 ]
 
 
@@ -231,8 +233,10 @@ def test_deadline_exceeded_is_the_services_word_not_the_clocks(tokenizer, cancel
             pb.GenerateRequest(prompt_ids=[3], max_tokens=400, request_id="late"), context)
         first = await anext(responses)
         await asyncio.sleep(0.1)
+        assert first.request_id == "late"  # the client's label; the service keys it by its own id
         if cancelled:
-            assert fake.cancel("late")
+            (service_id,) = fake.live
+            assert fake.cancel(service_id)
         return [first] + [r async for r in responses]
 
     if cancelled:
@@ -309,14 +313,7 @@ def test_health_is_not_serving_until_ready_and_again_while_draining(tokenizer):
 
 @pytest.fixture(scope="module")
 def certificate(tmp_path_factory):
-    """A self-signed certificate for localhost and 127.0.0.1 (the openssl CLI: the
-    cryptography package is not installed here)."""
-    folder = tmp_path_factory.mktemp("tls")
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
-    return cert.read_bytes(), key.read_bytes()
+    return self_signed_certificate(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture(scope="module")
@@ -342,7 +339,18 @@ def test_the_token_and_tls_refuse_and_admit_what_they_should(secure_server, cert
     with Client(address, root_certificates=cert, api_key="s3cret", timeout=10.0) as good:
         assert good.complete(prompt_ids=[1], max_tokens=2).token_ids == expected_output([1], 2)
         assert good.info().model == "fake"
-    for api_key in (None, "wrong", "s3cret "):
+    # one rule with HTTP's (validation.bearer_token_matches): the scheme in any case, the token exact
+    with grpc.secure_channel(address, grpc.ssl_channel_credentials(cert)) as channel:
+        from shiftjax.serving.proto.shiftjax.v1 import inference_pb2_grpc as pb_grpc
+
+        stub = pb_grpc.InferenceServiceStub(channel)
+        for header, code in [("bearer s3cret", grpc.StatusCode.OK), ("Bearer  s3cret ", grpc.StatusCode.OK),
+                             ("Basic s3cret", grpc.StatusCode.UNAUTHENTICATED),
+                             ("Bearer s3cret2", grpc.StatusCode.UNAUTHENTICATED),
+                             ("Bearers3cret", grpc.StatusCode.UNAUTHENTICATED)]:
+            assert rpc_code(stub.ServerInfo, pb.ServerInfoRequest(), metadata=[("authorization", header)],
+                            timeout=10) == code, header
+    for api_key in (None, "wrong", "s3cre"):
         with Client(address, root_certificates=cert, api_key=api_key, timeout=10.0) as bad:
             assert rpc_code(bad.generate, prompt_ids=[1], max_tokens=2) == grpc.StatusCode.UNAUTHENTICATED
             assert rpc_code(bad.info) == grpc.StatusCode.UNAUTHENTICATED

@@ -344,6 +344,10 @@ def test_api_key(service):
         assert client.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert client.get("/v1/models", headers={"Authorization": "Basic s3cret"}).status_code == 401
         assert client.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        # gRPC's rule too (validation.bearer_token_matches): the scheme in any case, the token exact
+        for header, status in [("bearer s3cret", 200), ("Bearer  s3cret", 200), ("Bearer s3cret2", 401),
+                               ("Bearers3cret", 401)]:
+            assert client.get("/v1/models", headers={"Authorization": header}).status_code == status, header
         assert client.get("/health").status_code == 200  # open, for load balancers
         assert client.get("/metrics").status_code == 404  # no Metrics given: no route
         assert not service.submitted[1:]  # only the authorised request reached the service

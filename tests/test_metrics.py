@@ -1,5 +1,6 @@
 """Metrics: known observer calls in, exact counts and sums out of the scraped text."""
 
+import urllib.error
 import urllib.request
 
 import pytest
@@ -155,6 +156,10 @@ def test_metrics_server_on_its_own_port():
     try:
         url = f"http://127.0.0.1:{server.server_port}/metrics"
         text = urllib.request.urlopen(url, timeout=10).read().decode()
+        for path in ("/", "/metricsx", "/admin"):  # this port serves /metrics alone
+            with pytest.raises(urllib.error.HTTPError) as caught:
+                urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}{path}", timeout=10)
+            assert caught.value.code == 404
     finally:
         server.shutdown()
         server.server_close()

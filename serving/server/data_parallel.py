@@ -66,13 +66,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 
 from shiftjax.serving.engine.errors import InvalidRequest, Overloaded, Unavailable
 from shiftjax.serving.server.protocol import Delta, GenerationRequest, ServiceStats
+from shiftjax.serving.server.request_ids import checked_request_id, new_request_id
 from shiftjax.serving.server.service_info import prefix_cache_info
 from shiftjax.serving.server.validation import checked_cache_salt
 
@@ -139,7 +139,6 @@ class DataParallelService:
         self._lock = threading.Lock()
         self._routes: dict[str, RoutedLoad] = {}
         self._routed_total = [0] * len(self.replicas)
-        self._ids = itertools.count()
         self._draining = False
 
     # --- readiness and lifecycle -------------------------------------------------------
@@ -202,7 +201,7 @@ class DataParallelService:
         except (TypeError, ValueError, OverflowError):  # ids the probe cannot hash: the replica names them
             cached = [0] * len(self.replicas)
         with self._lock:
-            request_id = request.request_id or f"req-{next(self._ids)}"
+            request_id = checked_request_id(request.request_id) or new_request_id()
             if request_id in self._routes:
                 raise InvalidRequest("request_id", f"{request_id!r} is already in flight; use a unique id")
             queued, live = self._loads_locked()

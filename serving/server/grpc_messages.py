@@ -13,10 +13,12 @@ import time
 from google.protobuf import descriptor_pb2, unknown_fields
 
 from shiftjax.serving.engine.errors import InvalidRequest
-from shiftjax.serving.proto.shiftjax.v1 import inference_pb2 as pb
-from shiftjax.serving.server.protocol import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Delta, GenerationRequest,
-                                       ServiceStats)
 from shiftjax.serving.engine.sampling_params import SamplingParams
+from shiftjax.serving.proto.shiftjax.v1 import inference_pb2 as pb
+from shiftjax.serving.server import validation
+from shiftjax.serving.server.protocol import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Delta, GenerationRequest,
+                                              ServiceStats)
+from shiftjax.serving.server.request_ids import checked_request_id
 from shiftjax.serving.server.validation import checked_cache_salt
 
 FINISH_REASON = {FINISH_STOP: pb.FINISH_REASON_STOP, FINISH_LENGTH: pb.FINISH_REASON_LENGTH,
@@ -30,18 +32,14 @@ def sampling_params_from(request: pb.GenerateRequest) -> SamplingParams:
     if request.HasField("n") and request.n != 1:
         raise InvalidRequest("n", f"only n=1 is supported, got {request.n}; send the request n times instead")
     given = {name: getattr(request, name) for name in _OPTIONAL_SAMPLING_FIELDS if request.HasField(name)}
-    return SamplingParams(**given, stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids),
-                          ignore_eos=request.ignore_eos, logprobs=request.logprobs,
-                          top_logprobs=request.top_logprobs)
+    return validation.sampling_params(**given, stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids),
+                                      ignore_eos=request.ignore_eos, logprobs=request.logprobs,
+                                      top_logprobs=request.top_logprobs)
 
 
 def messages_from(messages) -> list[dict[str, str]]:
-    rendered = []
-    for i, message in enumerate(messages):
-        if not message.role:
-            raise InvalidRequest("messages", f"message {i} has no role; use system, user or assistant")
-        rendered.append({"role": message.role, "content": message.content})
-    return rendered
+    """The chat messages as a template takes them, by the rule HTTP's are read by."""
+    return validation.checked_chat_messages((message.role, message.content) for message in messages)
 
 
 def render_chat(tokenizer, messages) -> str:
@@ -52,7 +50,7 @@ def render_chat(tokenizer, messages) -> str:
     except InvalidRequest:
         raise
     except Exception as error:  # jinja2's TemplateError, CheckpointError: no template
-        raise InvalidRequest("messages", f"the chat template refused them: {error}") from None
+        raise InvalidRequest("messages", f"the chat template refused them: {str(error)[:300]}") from None
 
 
 def prompt_ids_from(request: pb.GenerateRequest, tokenizer) -> tuple[int, ...]:
@@ -87,21 +85,36 @@ def refuse_mistyped_fields(message) -> None:
                                              f"wire type {unknown.wire_type}")
 
 
-def generation_request_from(request: pb.GenerateRequest, tokenizer, time_remaining: float | None) -> GenerationRequest:
-    """``time_remaining`` is the call's gRPC deadline in seconds from now (None: none), kept
-    as the request's own deadline so the engine ends it even between streamed tokens. The
-    clock is read first: the later it is read, the later this deadline falls behind gRPC's.
-    An empty ``cache_salt`` is the field left out (proto3 strings have no presence)."""
-    deadline = None if time_remaining is None else time.monotonic() + time_remaining
+def deadline_from(time_remaining: float | None) -> float | None:
+    """The call's gRPC deadline, ``time_remaining`` seconds from now (None: none), as a
+    ``time.monotonic()`` instant: the request's own deadline, so the engine ends it even
+    between streamed tokens. Read it first: the later it is read, the later this deadline
+    falls behind gRPC's."""
+    return None if time_remaining is None else time.monotonic() + time_remaining
+
+
+def client_request_id(request: pb.GenerateRequest) -> str | None:
+    """The client's ``request_id`` (None when empty), checked by ``request_ids.checked_request_id``."""
+    return checked_request_id(request.request_id)
+
+
+def generation_request_from(request: pb.GenerateRequest, tokenizer, deadline: float | None) -> GenerationRequest:
+    """The service's request for ``request`` (tokenizing: CPU work, for a pool thread), with
+    ``deadline`` from :func:`deadline_from` and no request id: the client's ``request_id`` is
+    a label of its own call (:func:`client_request_id`), never the service's key, so no
+    client can take another's. An empty ``cache_salt`` is the field left out (proto3 strings
+    have no presence)."""
     refuse_mistyped_fields(request)
     params = sampling_params_from(request)
-    return GenerationRequest(prompt_ids=prompt_ids_from(request, tokenizer), params=params,
-                             request_id=request.request_id or None, deadline=deadline,
+    return GenerationRequest(prompt_ids=prompt_ids_from(request, tokenizer), params=params, deadline=deadline,
                              cache_salt=checked_cache_salt(request.cache_salt or None))
 
 
-def response_from(delta: Delta) -> pb.GenerateResponse:
-    response = pb.GenerateResponse(request_id=delta.request_id, token_ids=delta.token_ids, text=delta.text)
+def response_from(delta: Delta, request_id: str | None = None) -> pb.GenerateResponse:
+    """The response for ``delta``, carrying ``request_id`` (the client's label) when given,
+    else the service's id."""
+    response = pb.GenerateResponse(request_id=request_id or delta.request_id, token_ids=delta.token_ids,
+                                   text=delta.text)
     for entry in delta.logprobs:
         response.logprobs.add(token_id=entry.token_id, logprob=entry.logprob,
                               top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.top])

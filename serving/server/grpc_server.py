@@ -12,7 +12,7 @@ service alone says a request ended for its deadline (:class:`DeadlineExceeded`).
 from __future__ import annotations
 
 import asyncio
-import hmac
+import inspect
 import logging
 
 import grpc
@@ -24,6 +24,8 @@ from shiftjax.serving.engine.errors import DeadlineExceeded, InvalidRequest, Ove
 from shiftjax.serving.proto.shiftjax.v1 import inference_pb2 as pb
 from shiftjax.serving.proto.shiftjax.v1 import inference_pb2_grpc as pb_grpc
 from shiftjax.serving.server.protocol import FINISH_ERROR
+from shiftjax.serving.server.tokenize_pool import TokenizePool
+from shiftjax.serving.server.validation import DEFAULT_MAX_REQUEST_BYTES, bearer_token_matches
 
 log = logging.getLogger("shiftjax.serving.grpc")
 
@@ -49,8 +51,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     """``service`` may be attached after the server starts (executables still compiling);
     until then, and once :meth:`drain` is called, Generate answers UNAVAILABLE."""
 
-    def __init__(self, service=None):
+    def __init__(self, service=None, pool: TokenizePool | None = None):
         self.service = service
+        self.pool = pool or TokenizePool()  # tokenizing and rendering, off the event loop
         self.draining = False
         self.active_generations = 0  # streams not yet closed; drain waits for them
 
@@ -65,9 +68,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         return self.service
 
     async def Generate(self, request, context):
+        deadline = messages.deadline_from(context.time_remaining())
         try:
             service = self._ready_service()
-            generation = messages.generation_request_from(request, service.tokenizer, context.time_remaining())
+            label = messages.client_request_id(request)  # the client's own; the service's id is its key
+            generation = await self.pool.run(messages.generation_request_from, request, service.tokenizer, deadline)
             stream = service.submit(generation)
         except Exception as error:  # refused before anything streamed
             await _abort(context, error)
@@ -75,8 +80,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         try:
             async for delta in stream:
                 if delta.finish_reason == FINISH_ERROR:
-                    raise RequestFailed(f"request {delta.request_id} failed in the engine")
-                yield messages.response_from(delta)
+                    raise RequestFailed(f"request {label or delta.request_id} failed in the engine")
+                yield messages.response_from(delta, label)
         except Exception as error:
             await _abort(context, error)
         finally:
@@ -85,26 +90,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
     async def Tokenize(self, request, context):
         try:
-            tokenizer = self._tokenizer()
-            if request.messages and request.text:
-                raise InvalidRequest("messages", "give text or messages, not both")
-            if request.messages:
-                rendered = messages.render_chat(tokenizer, request.messages)
-                return pb.TokenizeResponse(token_ids=tokenizer.encode(rendered, add_special_tokens=False),
-                                           rendered_prompt=rendered)
-            return pb.TokenizeResponse(token_ids=tokenizer.encode(request.text, request.add_special_tokens))
+            return await self.pool.run(_tokenize, self._tokenizer(), request)
         except Exception as error:
             await _abort(context, error)
 
     async def Detokenize(self, request, context):
         try:
-            tokenizer = self._tokenizer()
-            vocab_size = tokenizer.vocab_size
-            for i, token in enumerate(request.token_ids):
-                if not 0 <= token < vocab_size:
-                    raise InvalidRequest("token_ids", f"token id {token} at position {i} is outside "
-                                                      f"the vocabulary [0, {vocab_size})")
-            return pb.DetokenizeResponse(text=tokenizer.decode(request.token_ids, request.skip_special_tokens))
+            return await self.pool.run(_detokenize, self._tokenizer(), request)
         except Exception as error:
             await _abort(context, error)
 
@@ -125,6 +117,25 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         return self.service.tokenizer
 
 
+def _tokenize(tokenizer, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+    if request.messages and request.text:
+        raise InvalidRequest("messages", "give text or messages, not both")
+    if request.messages:
+        rendered = messages.render_chat(tokenizer, request.messages)
+        return pb.TokenizeResponse(token_ids=tokenizer.encode(rendered, add_special_tokens=False),
+                                   rendered_prompt=rendered)
+    return pb.TokenizeResponse(token_ids=tokenizer.encode(request.text, request.add_special_tokens))
+
+
+def _detokenize(tokenizer, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
+    vocab_size = tokenizer.vocab_size
+    for i, token in enumerate(request.token_ids):
+        if not 0 <= token < vocab_size:
+            raise InvalidRequest("token_ids", f"token id {token} at position {i} is outside "
+                                              f"the vocabulary [0, {vocab_size})")
+    return pb.DetokenizeResponse(text=tokenizer.decode(request.token_ids, request.skip_special_tokens))
+
+
 async def _abort(context, error: Exception):
     code, message = status_of(error)
     if code == grpc.StatusCode.INTERNAL:
@@ -138,17 +149,66 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     reveals nothing but whether the server is serving. Reflection is guarded like the API."""
 
     def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
+        self._token = token
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(HEALTH_METHOD_PREFIX):
             return handler
         metadata = dict(handler_call_details.invocation_metadata or ())
-        given = metadata.get("authorization", "")
-        if hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._expected):
+        given = metadata.get("authorization")
+        if bearer_token_matches(given, self._token):  # HTTP's rule too
             return handler
         return _refusing(handler, "missing bearer token" if not given else "wrong bearer token")
+
+
+class _Undecodable:
+    """What the tolerant deserializer hands the handler for bytes that are not the message."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+class UndecodableRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Bytes that do not parse as the method's request message reached the handler as
+    "Unexpected DecodeError", UNKNOWN, with a traceback logged; with a deserializer that
+    hands the handler the failure instead, they are INVALID_ARGUMENT naming ``request``.
+    Methods with streamed requests (reflection) keep grpc's own handling."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        method = handler_call_details.method
+        deserializer = handler.request_deserializer
+
+        def tolerant(raw: bytes):
+            try:
+                return deserializer(raw)
+            except Exception as error:  # google.protobuf.message.DecodeError, mostly
+                return _Undecodable(error)
+
+        async def refuse(request: _Undecodable, context):
+            detail = str(request.error)[:200] or type(request.error).__name__
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request: {detail} (the bytes sent to {method} are not its request message "
+                                "in protobuf's wire format)")
+
+        behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
+        if inspect.isasyncgenfunction(behavior):
+            async def checked(request, context):
+                if isinstance(request, _Undecodable):
+                    await refuse(request, context)
+                async for response in behavior(request, context):
+                    yield response
+        else:
+            async def checked(request, context):
+                if isinstance(request, _Undecodable):
+                    await refuse(request, context)
+                return await behavior(request, context)
+
+        make = grpc.unary_stream_rpc_method_handler if handler.response_streaming else grpc.unary_unary_rpc_method_handler
+        return make(checked, request_deserializer=tolerant, response_serializer=handler.response_serializer)
 
 
 def _refusing(handler, reason: str):
@@ -173,12 +233,16 @@ class GrpcServer:
     """
 
     def __init__(self, service=None, *, host: str = "127.0.0.1", port: int = 50051,
-                 tls: tuple[bytes, bytes] | None = None, api_key: str | None = None):
-        interceptors = [BearerTokenInterceptor(api_key)] if api_key else []
+                 tls: tuple[bytes, bytes] | None = None, api_key: str | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_REQUEST_BYTES, pool: TokenizePool | None = None):
+        # the bearer check first, so that it sees the tolerant deserializer's handler
+        interceptors = ([BearerTokenInterceptor(api_key)] if api_key else []) + [UndecodableRequestInterceptor()]
         # grpc turns SO_REUSEPORT on by default, which lets a second server bind a port in use
-        # and silently share its traffic; off, a busy port is an error at start.
-        self.server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
-        self.servicer = InferenceServicer()
+        # and silently share its traffic; off, a busy port is an error at start. A message past
+        # max_message_bytes (HTTP's body limit, --max-request-bytes) is RESOURCE_EXHAUSTED.
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message_bytes)])
+        self.servicer = InferenceServicer(pool=pool)
         self.health = health.aio.HealthServicer()
         pb_grpc.add_InferenceServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -224,23 +288,30 @@ class GrpcServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
 
-    async def drain(self, grace_seconds: float) -> None:
-        """Health NOT_SERVING, new Generate calls refused (UNAVAILABLE), running ones given
-        ``grace_seconds`` to finish; then the server stops, cancelling any still running.
-
-        The server keeps accepting calls while it drains, rather than ``server.stop(grace)``
-        at once, so that health checks see NOT_SERVING instead of a closed port."""
+    async def begin_drain(self) -> None:
+        """Health NOT_SERVING and new Generate calls refused (UNAVAILABLE); the server keeps
+        accepting calls, rather than ``server.stop(grace)`` at once, so that health checks
+        see NOT_SERVING instead of a closed port."""
         self.servicer.drain()
         await self.health.enter_graceful_shutdown()
         if self._watcher is not None:
             self._watcher.cancel()
+
+    async def wait_for_streams(self, seconds: float) -> int:
+        """Waits up to ``seconds`` for every Generate stream to end; how many still run."""
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + grace_seconds
+        give_up = loop.time() + seconds
         while self.servicer.active_generations and loop.time() < give_up:
-            await asyncio.sleep(0.05)
-        if self.servicer.active_generations:
-            log.warning("%d requests still running after %.1f s of grace; cancelling them",
-                        self.servicer.active_generations, grace_seconds)
+            await asyncio.sleep(0.02)
+        return self.servicer.active_generations
+
+    async def drain(self, grace_seconds: float) -> None:
+        """:meth:`begin_drain`, running calls given ``grace_seconds`` to finish, then the server
+        stops, cancelling any still running (``shiftjax serve`` has the service end them with
+        an abort first: serving/server/cli.py)."""
+        await self.begin_drain()
+        if left := await self.wait_for_streams(grace_seconds):
+            log.warning("%d requests still running after %.1f s of grace; cancelling them", left, grace_seconds)
         await self.server.stop(0.5)
 
     async def wait_for_termination(self) -> None:

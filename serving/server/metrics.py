@@ -23,6 +23,7 @@ port with :func:`start_metrics_server`.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Callable
 
@@ -191,9 +192,38 @@ class _ServiceStatsCollector(Collector):
 
 
 def start_metrics_server(metrics: Metrics, port: int, host: str = "127.0.0.1"):
-    """Serves ``metrics`` as Prometheus text on ``http://host:port/`` (any path) from a daemon
-    thread; returns ``(server, thread)``: ``server.shutdown()`` stops it. Port 0 picks a free
-    port, read back from ``server.server_port``."""
-    from prometheus_client import start_http_server
+    """Serves ``metrics`` as Prometheus text on ``http://host:port/metrics`` from a daemon
+    thread, and 404 on any other path (prometheus_client's own server answered every path);
+    returns ``(server, thread)``: ``server.shutdown()`` stops it. Port 0 picks a free port,
+    read back from ``server.server_port``."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    return start_http_server(port, addr=host, registry=metrics.registry)
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    class Handler(BaseHTTPRequestHandler):
+        timeout = 10  # a scraper that sends half a request is not waited on for ever
+
+        def do_GET(self):
+            if self.path.partition("?")[0] != "/metrics":
+                self._answer(404, b"not found: this port serves /metrics only\n", "text/plain; charset=utf-8")
+            else:
+                self._answer(200, metrics.render(), CONTENT_TYPE_LATEST)
+
+        def _answer(self, status: int, body: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format, *args):  # noqa: A002 (the base class's name)
+            log.debug("metrics %s: " + format, self.client_address[0], *args)
+
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    server = Server((host, port), Handler)
+    thread = threading.Thread(target=server.serve_forever, name="shiftjax-metrics", daemon=True)
+    thread.start()
+    return server, thread

@@ -11,13 +11,15 @@ the logprob shapes of the two APIs are built here.
 from __future__ import annotations
 
 import secrets
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from shiftjax.serving.engine.errors import InvalidRequest
-from shiftjax.serving.server.protocol import TokenLogprob
 from shiftjax.serving.engine.sampling_params import SamplingParams
+from shiftjax.serving.server import validation
+from shiftjax.serving.server.protocol import TokenLogprob
+from shiftjax.serving.server.validation import field_path, shown
 
 # The OpenAI API's default for /v1/completions when max_tokens is not given.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -66,7 +68,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: str  # validation.checked_chat_messages says which (gRPC's rule too)
     content: str | list[dict[str, Any]] | None = None
 
 
@@ -88,15 +90,15 @@ def parse(model: type[BaseModel], body: Any) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as error:
-        first = error.errors()[0]
+        first = error.errors(include_url=False)[0]
         loc = first["loc"]
         if first["type"] == "extra_forbidden":
-            raise InvalidRequest(".".join(map(str, loc)), "unknown parameter; this server does not implement it") from None
+            raise InvalidRequest(field_path(loc), "unknown parameter; this server does not implement it") from None
         if loc and loc[0] == "prompt":
             raise InvalidRequest("prompt", "must be a string, a list of token ids, a list of strings "
                                            "or a list of token-id lists") from None
-        field = ".".join(str(part) for part in loc if not _is_union_tag(part))
-        raise InvalidRequest(field or "body", f"{first['msg']} (got {first.get('input')!r})") from None
+        field = field_path(part for part in loc if not _is_union_tag(part))
+        raise InvalidRequest(field or "body", f"{first['msg']} (got {shown(first.get('input'))})") from None
 
 
 def _is_union_tag(part) -> bool:
@@ -148,10 +150,10 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, *, max_t
     seed = request.seed
     if seed is None:  # the OpenAI API samples afresh on every call unless a seed is given
         seed = secrets.randbelow(2**31)
-    top_k = 0 if request.top_k in (None, -1) else request.top_k  # vLLM spells "off" as -1
+    top_k = 0 if request.top_k is None else request.top_k
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
     try:
-        return SamplingParams(
+        return validation.sampling_params(
             max_tokens=max_tokens, temperature=temperature,
             top_p=1.0 if request.top_p is None else request.top_p, top_k=top_k,
             min_p=0.0 if request.min_p is None else request.min_p, seed=seed,
@@ -189,12 +191,8 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
                                          "only text parts ({'type': 'text', 'text': ...}) are implemented")
                 texts.append(part["text"])
             content = "".join(texts)
-        # "developer" is the newer OpenAI name of "system"; chat templates know "system"
-        role = "system" if message.role == "developer" else message.role
-        messages.append({"role": role, "content": content or ""})
-    if not messages:
-        raise InvalidRequest("messages", "is empty; give at least one message")
-    return messages
+        messages.append((message.role, content))
+    return validation.checked_chat_messages(messages)
 
 
 # Logprobs in the shape of each API.

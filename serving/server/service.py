@@ -20,7 +20,6 @@ is finished before N+1 is scheduled, and its deltas are made while N+1 runs.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import threading
 import time
@@ -41,6 +40,7 @@ from shiftjax.serving.server.protocol import (
     ServiceStats,
 )
 from shiftjax.serving.server.live_request import LiveRequest, Outbox
+from shiftjax.serving.server.request_ids import checked_request_id, new_request_id
 from shiftjax.serving.server.service_info import StepTrace, service_info, service_stats
 from shiftjax.serving.server.validation import validate_request
 
@@ -79,7 +79,6 @@ class AsyncEngineService:
         self._cancels: list[LiveRequest] = []  # by object: an id may be reused once its request ends
         self._live: dict[str, LiveRequest] = {}
         self._by_request: dict[Request, LiveRequest] = {}
-        self._ids = itertools.count()
         self._ready = threading.Event()
         self._step_trace = StepTrace()
         self._startup_error: BaseException | None = None
@@ -119,7 +118,7 @@ class AsyncEngineService:
             limit = self._max_waiting or self.engine.limits.max_queue
             if waiting >= limit:
                 raise Overloaded(f"the waiting queue is full ({limit} requests); retry later")
-            request_id = request.request_id or f"req-{next(self._ids)}"
+            request_id = checked_request_id(request.request_id) or new_request_id()  # unguessable: none stolen
             if request_id in self._live:
                 raise InvalidRequest("request_id", f"{request_id!r} is already in flight; use a unique id")
             live = LiveRequest(request, request_id, loop)
