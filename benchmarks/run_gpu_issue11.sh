@@ -35,7 +35,7 @@ import glob, hashlib, jax
 print("jax", jax.__version__, jax.devices())
 # git blob ids: `git ls-tree -r <commit>` of the same files shows whether they match
 for path in sorted(glob.glob("benchmarks/*.py") + glob.glob("benchmarks/*.sh") + glob.glob("shiftjax/*.py")
-                   + glob.glob("kernels/*.py") + glob.glob("serving/engine/executables.py")):
+                   + glob.glob("kernels/*.py") + glob.glob("serving/engine/*.py")):
     data = open(path, "rb").read()
     print("blob", hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest(), path)
 PY

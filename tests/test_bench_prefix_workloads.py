@@ -229,3 +229,22 @@ def test_compare_specs_take_the_prefix_workloads_and_salt_each_rate():
     assert [config.cache_salt for _, _, config, _ in runs] == ["x@2", "x@inf", None]
     assert all(p[:8] == runs[0][3].prompts[0][:8] for p in runs[0][3].prompts)
     assert [r.previous for r in runs[2][3].requests] == [None, 0, None, 2]
+
+
+def test_the_committed_synthetic_trace_is_what_its_generator_writes(tmp_path):
+    """benchmarks/traces/synthetic_reuse.jsonl is reproducible, and its reuse is the 61.5%
+    benchmarks/README.md and the H200 run quote."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from shiftjax.serving.bench.prefix_cache_bound import trace_best_hit_rate
+    from shiftjax.serving.bench.workloads import read_trace
+
+    traces = Path(__file__).resolve().parents[1] / "benchmarks" / "traces"
+    out = tmp_path / "trace.jsonl"
+    subprocess.run([sys.executable, str(traces / "make_hash_trace.py"), "--out", str(out)], check=True,
+                   capture_output=True)
+    assert out.read_text() == (traces / "synthetic_reuse.jsonl").read_text()
+    rows = read_trace(out)
+    assert trace_best_hit_rate(rows, None) == trace_best_hit_rate(rows, 500) == pytest.approx(0.6154, abs=1e-4)

@@ -129,3 +129,28 @@ def test_lost_caches_forget_every_name():
     scheduler.allocator.check()
     assert scheduler.allocator.num_cached == 0 and request in scheduler.waiting
     assert scheduler.prefix_cache.cached_tokens(list(range(1, 14)), b"") == 0
+
+
+def test_a_request_is_counted_at_the_admission_that_gives_it_pages():
+    """An admission attempt that finds no room gives its shared pages back and counts
+    nothing; the admission that succeeds counts the pages it then had (they may have been
+    evicted in between)."""
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=2, max_model_len=64, page_size=4, num_pages=8,
+                             enable_prefix_caching=True)
+    scheduler = Scheduler(config)
+    prompt = list(range(1, 14))  # 3 full pages and one token
+    first = scheduler.add(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    scheduler.commit(scheduler.schedule(), np.array([5]), np.zeros(1), "tp")
+    assert first.finished and scheduler.allocator.num_cached == 3
+    hog = scheduler.add(list(range(50, 66)), SamplingParams(max_tokens=8, ignore_eos=True))  # 4 pages, then 6
+    step = scheduler.schedule()
+    assert step.requests == [hog] and scheduler.allocator.num_free == 3  # 3 cached pages left, no free one
+    again = scheduler.add(prompt + [20, 21, 22, 23], SamplingParams(max_tokens=1, ignore_eos=True))
+    scheduler.commit(step, np.array([7]), np.zeros(1), "tp")
+    assert scheduler.schedule().requests == [hog]  # its decode takes a page: a cached one is evicted
+    assert again in scheduler.waiting and not again.pages and scheduler.prefix_cache.queries == 13 + 16
+    scheduler.abort(hog)
+    step = scheduler.schedule()
+    assert step.requests == [again] and scheduler.prefix_cache.queries == 13 + 16 + 17
+    assert again.num_cached_tokens == scheduler.prefix_cache.hits == again.num_computed < 12
+    scheduler.allocator.check()

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from shiftjax.cache import pages_for
 from shiftjax.serving.engine.errors import InvalidRequest
 from shiftjax.serving.engine.sampling_params import SamplingParams
 
@@ -43,7 +44,7 @@ def check_room(prompt_len: int, params: SamplingParams, limits: SchedulerConfig)
                              f"({params.max_tokens}) exceeds max_model_len ({limits.max_model_len}); shorten "
                              f"the prompt or lower max_tokens")
     usable = limits.num_pages - 1
-    if -(-total // limits.page_size) > usable:
+    if pages_for(total, limits.page_size) > usable:
         raise InvalidRequest("max_tokens", f"the prompt plus max_tokens needs more KV-cache pages than "
                              f"the cache has ({usable} of {limits.page_size} tokens); lower max_tokens")
 

@@ -121,6 +121,9 @@ def build(weights: ModelWeights, config: EngineConfig, report: Report,
         # (a stored step that fails its check is compiled again: that time is counted here)
         with phase("check_stored"):
             caches = _check_stored(executables, weights, caches, allocate_caches, modes, store, config, report)
+    report(f"{len(executables.compiled)} executables ready in {executables.wall_seconds:.1f} s: "
+           f"{executables.loaded_from_store} loaded from the executable store, "
+           f"{executables.cache_hits} from the compilation cache")
     if config.mode == "auto" and len(modes) > 1 and config.shift_threshold is None:
         with phase("policy_timing"):
             caches = time_executables(executables, weights, caches, warm=executables.stored_keys)
@@ -199,12 +202,8 @@ def _compile(weights, caches, ladder, modes, options, store, config, report) -> 
     for seqs, tokens in ladder.padded_decode_steps():
         report(f"note: {seqs} decoding sequences run as a {tokens}-token step: a token bucket of {seqs} "
                f"in --token-buckets would decode them faster")
-    executables = compiling.compile_all(weights, caches, ladder, modes, options, progress=progress, store=store,
-                                        report=report, workers=config.compile_workers)
-    report(f"{len(executables.compiled)} executables ready in {executables.wall_seconds:.1f} s: "
-           f"{executables.loaded_from_store} loaded from the executable store, "
-           f"{executables.cache_hits} from the compilation cache")
-    return executables
+    return compiling.compile_all(weights, caches, ladder, modes, options, progress=progress, store=store,
+                                 report=report, workers=config.compile_workers)
 
 
 def _check_stored(executables: Executables, weights, caches, allocate_caches, modes, store, config, report):
@@ -223,5 +222,5 @@ def _check_stored(executables: Executables, weights, caches, allocate_caches, mo
     if failed:
         executables.merge(compiling.compile_all(weights, caches, executables.ladder, modes, executables.options,
                                                 store=store, report=report, workers=config.compile_workers,
-                                                only=failed))
+                                                only=failed, load_stored=False))
     return caches

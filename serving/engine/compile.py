@@ -67,7 +67,7 @@ def xla_compiler_options(options: StepOptions, platform: str) -> dict | None:
 def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, modes, options: StepOptions, *,
                 progress: Callable[[int, int, float], None] | None = None, workers: int | None = None,
                 store: ExecutableStore | None = None, report: Callable[[str], None] | None = None,
-                only: Collection[tuple] | None = None) -> Executables:
+                only: Collection[tuple] | None = None, load_stored: bool = True) -> Executables:
     """Every (mode, bucket) step, compiled against the real params and caches: loaded from
     ``store`` where it holds the step (no tracing, lowering or compiling), else lowered and
     compiled ``workers`` at a time (default :func:`compile_workers` of the devices'
@@ -75,7 +75,9 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
 
     ``progress(done, total, elapsed_seconds)``, if given, is called as each one is ready;
     ``report(message)`` hears about stored entries that could not be loaded. ``only``: just
-    these ``(mode, tokens, seqs)`` steps of the ladder. Counts the executables JAX's
+    these ``(mode, tokens, seqs)`` steps of the ladder; ``load_stored=False``: compile them
+    even where the store holds them (a stored one failed when run), and store them again.
+    Counts the executables JAX's
     persistent compilation cache supplied (its ``/jax/compilation_cache/cache_hits``
     event) and those the store supplied."""
     start = time.perf_counter()
@@ -104,7 +106,7 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
 
         # Concurrently: a load is file reading and the runtime's module loading, not Python.
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(steps), 8) or 1) as pool:
-            for key, executable, elapsed in pool.map(load, steps):
+            for key, executable, elapsed in pool.map(load, steps if load_stored else []):
                 if executable is not None:
                     ready(key, executable, elapsed)
     stored = frozenset(compiled)

@@ -6,7 +6,7 @@ import dataclasses
 
 from shiftjax.cache import pages_for
 from shiftjax.kernels.collectives import ALL_REDUCES, ALL_TO_ALLS
-from shiftjax.step_options import ATTENTIONS, GEMM_BACKENDS
+from shiftjax.step_options import ATTENTIONS, GEMM_BACKENDS, LAYER_LOOPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +51,9 @@ class EngineConfig:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.attention not in ATTENTIONS:
-            raise ValueError(f"attention must be reference, pallas or auto, got {self.attention!r}")
-        if self.layer_loop not in ("scan", "unrolled", "auto"):
-            raise ValueError(f"layer_loop must be scan, unrolled or auto, got {self.layer_loop!r}")
+            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
+        if self.layer_loop not in (*LAYER_LOOPS, "auto"):
+            raise ValueError(f"layer_loop must be one of {', '.join(LAYER_LOOPS)}, auto, got {self.layer_loop!r}")
         if self.gemm not in GEMM_BACKENDS:
             raise ValueError(f"gemm must be one of {', '.join(GEMM_BACKENDS)}, got {self.gemm!r}")
         if self.all_reduce not in ("auto", *ALL_REDUCES):

@@ -112,7 +112,7 @@ def step_key(weights: ModelWeights, caches: KVCache, options: StepOptions, *, mo
 
 
 def sampler_key(weights: ModelWeights, **sampler_options) -> str:
-    """The store key of one compiled sampler (``samplers.py``): its environment, model and
+    """The store key of one compiled sampler (``sampler_executables.py``): its environment, model and
     ``sampler_options``, every argument it is made and lowered with. Named apart from the
     steps' keys, so that the store's files say which is which."""
     return "sampler-" + _key(weights, sampler=sampler_options)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING
 
+from shiftjax.serving.engine.errors import InvalidRequest
 from shiftjax.serving.engine.page_allocator import PageAllocator, page_hashes
 
 if TYPE_CHECKING:
@@ -24,14 +25,20 @@ if TYPE_CHECKING:
 
 
 def cache_key(cache_salt: str | None) -> bytes:
-    """The hash key of requests with this salt (b"": the shared cache)."""
-    return b"" if not cache_salt else hashlib.sha256(b"cache_salt\0" + cache_salt.encode()).digest()
+    """The hash key of requests with this salt (None or "": the shared cache). Any string
+    hashes (``surrogatepass``: JSON can carry a lone surrogate, which UTF-8 cannot)."""
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise InvalidRequest("cache_salt", f"must be a string, got {type(cache_salt).__name__}")
+    if not cache_salt:
+        return b""
+    return hashlib.sha256(b"cache_salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
 
 
 class PrefixCache:
     """The scheduler's side of the cache: which pages a request takes at admission, which
     it names as it commits; the allocator keeps the books (``page_allocator.py``).
-    ``queries`` and ``hits`` count prompt tokens at each request's first admission."""
+    ``queries`` and ``hits`` count prompt tokens at each request's first admission (the one
+    that got it its pages, not an attempt that found none)."""
 
     def __init__(self, allocator: PageAllocator, page_size: int):
         self.allocator = allocator
@@ -46,11 +53,7 @@ class PrefixCache:
     def take(self, request: Request) -> None:
         """Shares the cached pages of ``request``'s longest cached prefix (it holds no pages:
         new, or preempted) and counts them as computed."""
-        first = not request.prefix_checked
-        request.prefix_checked = True
         if not self.enabled:
-            if first:
-                self.queries += len(request.prompt_ids)
             return
         shareable = (request.num_tokens - 1) // self.page_size
         self._hash(request, shareable)
@@ -58,16 +61,23 @@ class PrefixCache:
         request.pages = pages
         request.num_registered = len(pages)  # shared pages are named already
         request.num_computed = len(pages) * self.page_size
-        if first:
-            request.num_cached_tokens = request.num_computed
-            self.queries += len(request.prompt_ids)
-            self.hits += request.num_computed
 
     def give_back(self, request: Request) -> None:
         """Undoes :meth:`take` for a request that could not be admitted after all."""
         self.allocator.free(request.pages)
         request.pages = []
+        request._page_array = None
         request.num_computed = request.num_registered = 0
+
+    def admitted(self, request: Request) -> None:
+        """Counts ``request``'s lookup, at its first admission (a preempted request's return
+        is not a query of its own)."""
+        if request.prefix_checked:
+            return
+        request.prefix_checked = True
+        request.num_cached_tokens = request.num_computed if self.enabled else 0
+        self.queries += len(request.prompt_ids)
+        self.hits += request.num_cached_tokens
 
     def register(self, request: Request) -> None:
         """Names the pages that ``request``'s committed tokens have filled."""
@@ -100,5 +110,5 @@ class PrefixCache:
         have = len(request.block_hashes)
         if have < pages:
             parent = request.block_hashes[-1] if have else None
-            tokens = request.token_slice(0, pages * self.page_size)
-            request.block_hashes += page_hashes(tokens, self.page_size, request.cache_key, parent, have)
+            tokens = request.token_slice(have * self.page_size, (pages - have) * self.page_size)
+            request.block_hashes += page_hashes(tokens, self.page_size, request.cache_key, parent)

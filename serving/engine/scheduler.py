@@ -21,6 +21,7 @@ import itertools
 import numpy as np
 
 from shiftjax.batch import SAMPLING_FIELDS, StepBatch, empty_batch
+from shiftjax.cache import pages_for
 from shiftjax.serving.engine.admission import check_admission
 from shiftjax.serving.engine.page_allocator import OutOfPages, PageAllocator
 from shiftjax.serving.engine.prefix_cache import PrefixCache, cache_key
@@ -126,7 +127,7 @@ class SchedulerConfig:
 
     @property
     def max_pages_per_seq(self) -> int:
-        return -(-self.max_model_len // self.page_size)
+        return pages_for(self.max_model_len, self.page_size)
 
 
 @dataclasses.dataclass
@@ -221,6 +222,7 @@ class Scheduler:
                 self.prefix_cache.give_back(request)
                 break
             self.waiting.popleft()
+            self.prefix_cache.admitted(request)
             self.running.append(request)
             chunks.append((request, size))
             budget -= size
@@ -230,7 +232,7 @@ class Scheduler:
 
     def _reserve(self, request: Request, new_tokens: int, preempt: bool = True) -> bool:
         """Makes sure the pages for ``new_tokens`` more tokens exist, preempting if allowed."""
-        needed = -(-(request.num_scheduled + new_tokens) // self.config.page_size) - len(request.pages)
+        needed = pages_for(request.num_scheduled + new_tokens, self.config.page_size) - len(request.pages)
         while needed > 0:
             try:
                 request.pages += self.allocator.allocate(needed)

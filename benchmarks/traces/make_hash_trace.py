@@ -4,7 +4,7 @@ line: ``timestamp`` in ms, ``input_length``, ``output_length``, ``hash_ids``, on
 ``--system-blocks`` blocks, each request one of them (chosen by a Zipf-like weight) plus
 1 to ``--max-own-blocks`` blocks of its own, arriving as a Poisson process.
 
-    python benchmarks/make_hash_trace.py --out benchmarks/traces/synthetic_reuse.jsonl
+    python benchmarks/traces/make_hash_trace.py --out benchmarks/traces/synthetic_reuse.jsonl
 
 The best hit rate a cache of any size can reach on it is ``shiftjax.serving.bench.
 prefix_cache_bound.trace_best_hit_rate``; the bench report prints it beside the measured one.
