@@ -1,7 +1,9 @@
 """``shiftjax serve`` as a subprocess on the default model (sp 2 x tp 2, CPU): start-up
-lines, the bearer token on both front ends, and SIGTERM draining a running request to
-its end before exiting 0."""
+lines, the bearer token on both front ends, the metrics port, and SIGTERM under load: a
+drain clients can see, a running request finished within the grace and the rest aborted,
+then exit 0."""
 
+import json
 import re
 import signal
 import subprocess
@@ -13,6 +15,7 @@ import grpc
 import pytest
 
 from shiftjax.serving.client.grpc_client import Client
+from shiftjax.serving.proto.shiftjax.v1 import inference_pb2 as pb
 from loopback import free_port
 
 pytestmark = pytest.mark.slow
@@ -51,12 +54,41 @@ class ServeProcess:
         return "\n".join(self.lines)
 
 
-def test_sigterm_drains_running_requests_then_exits_0(tmp_path):
+def sse_finish(url: str, headers: dict, events: list) -> None:
+    """A streamed /v1/completions of 120 tokens; its data payloads appended to ``events``
+    (a protocol error, as a cut stream raises, appended as the exception)."""
+    import httpx
+
+    body = {"prompt": "Once upon a time", "max_tokens": 120, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=120) as response:
+            events.append(response.status_code)
+            events.extend(line[len("data: "):] for line in response.iter_lines() if line.startswith("data: "))
+    except Exception as error:  # noqa: BLE001 (what the test asserts never happens)
+        events.append(error)
+
+
+def grpc_finish(client: Client, out: list) -> None:
+    try:
+        out.extend(client.generate(prompt_ids=[5, 6, 7], max_tokens=120, ignore_eos=True))
+    except grpc.RpcError as error:
+        out.append(error)
+
+
+def test_sigterm_under_load_drains_visibly_then_exits_0(tmp_path):
+    """SIGTERM with a short grace (issue 31): a request that can finish within it does; the
+    HTTP port keeps listening, /health and new requests answer 503 with Retry-After (gRPC:
+    NOT_SERVING, UNAVAILABLE); at the end of the grace every other stream, running or still
+    queued, ends with an abort finish (SSE: finish_reason "abort" then [DONE]; gRPC:
+    FINISH_REASON_ABORT), none with a protocol error; exit 0 with no traceback logged."""
+    import httpx
+
     key_file = tmp_path / "api-key"
     key_file.write_text("tok-123\n")
-    http_port = free_port()
+    http_port, metrics_port = free_port(), free_port()
     server = ServeProcess(*ENGINE_ARGS, "--port", "0", "--http-port", str(http_port), "--api-key-file", str(key_file),
-                          "--grace-seconds", "60")
+                          "--metrics-port", str(metrics_port), "--grace-seconds", "4")
+    url, headers = f"http://127.0.0.1:{http_port}", {"Authorization": "Bearer tok-123"}
     try:
         address = server.wait_for_line(r"serving gRPC on (\S+)", 300).group(1)
         assert "page pool:" in server.log() and "health NOT_SERVING until" in server.log()
@@ -65,28 +97,44 @@ def test_sigterm_drains_running_requests_then_exits_0(tmp_path):
             with pytest.raises(grpc.RpcError) as caught:
                 anonymous.info()
             assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            import httpx
+            assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401
+            assert httpx.get(f"{url}/v1/models", timeout=10, headers=headers).status_code == 200
+            assert httpx.get(f"http://127.0.0.1:{metrics_port}/", timeout=10).status_code == 404  # /metrics only
 
-            assert httpx.get(f"http://127.0.0.1:{http_port}/v1/models", timeout=10).status_code == 401
-            models = httpx.get(f"http://127.0.0.1:{http_port}/v1/models", timeout=10,
-                               headers={"Authorization": "Bearer tok-123"})
-            assert models.status_code == 200
-
-            running = client.generate(prompt_ids=[1, 2, 3], max_tokens=40, ignore_eos=True)
-            received = list(next(running).token_ids)
+            # 3 SSE and 3 gRPC streams that cannot finish within the grace, beside one that can;
+            # 7 requests for 4 sequences: some are still queued when the signal comes
+            outcomes = [[] for _ in range(6)]
+            threads = [threading.Thread(target=sse_finish, args=(url, headers, outcomes[i])) for i in range(3)]
+            threads += [threading.Thread(target=grpc_finish, args=(client, outcomes[i])) for i in range(3, 6)]
+            for thread in threads:
+                thread.start()
+            running = client.generate(prompt_ids=[1, 2, 3], max_tokens=6, ignore_eos=True)
+            received = [t for _ in range(5) for t in next(running).token_ids]  # one step left to run
             server.process.send_signal(signal.SIGTERM)
             server.wait_for_line("draining", 10)
-            assert client.health() in ("NOT_SERVING", "UNREACHABLE")
+            health = httpx.get(f"{url}/health", timeout=10)
+            assert health.status_code == 503 and health.json() == {"status": "draining"}
+            assert int(health.headers["retry-after"]) > 0
+            refused = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, headers=headers, timeout=10)
+            assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
+            assert client.health() == "NOT_SERVING"
             with pytest.raises(grpc.RpcError) as caught:
                 client.complete(prompt_ids=[4, 5], max_tokens=2)
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-            last = None
-            for response in running:
-                received += response.token_ids
-                last = response
-            assert len(received) == 40 and last.finish_reason == 2  # FINISH_REASON_LENGTH: ran to its end
+            rest = list(running)
+            received += [t for r in rest for t in r.token_ids]
+            assert len(received) == 6 and rest[-1].finish_reason == pb.FINISH_REASON_LENGTH  # ran to its end
+            for thread in threads:
+                thread.join(120)
+        for sse in outcomes[:3]:
+            assert sse[0] == 200 and sse[-1] == "[DONE]", sse[-3:]
+            assert json.loads(sse[-2])["choices"][0]["finish_reason"] == "abort", sse[-3:]
+        for stream in outcomes[3:]:
+            assert not isinstance(stream[-1], Exception), stream[-1]
+            assert stream[-1].finish_reason == pb.FINISH_REASON_ABORT, stream[-1]
         assert server.process.wait(60) == 0, server.log()
-        assert "stopped" in server.log()
+        assert "stopped" in server.log() and "Traceback" not in server.log() and " ERROR " not in server.log(), \
+            server.log()
     finally:
         if server.process.poll() is None:
             server.process.kill()

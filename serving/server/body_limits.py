@@ -9,8 +9,8 @@ the time to send headers, and how deep and what kind of JSON the body may hold.
   byte (uvicorn waits for ever: a client sending half a header line held its connection,
   and one of the server's, 70 s and more), and a body within ``read_timeout_seconds`` of
   its headers (408, connection closed). ``keep_alive_seconds`` is how long an idle
-  connection is kept between requests, ``max_header_bytes`` the most h11 buffers for an
-  incomplete request line and headers (431 past it, h11's answer).
+  connection is kept between requests, ``max_header_bytes`` the most h11 buffers of a
+  request line and headers not yet complete (uvicorn answers 400 past it).
 - **Shape.** JSON nested deeper than :data:`MAX_JSON_DEPTH` (Python's parser raised
   ``RecursionError`` at about 1,000 levels: a 500) and strings that are not Unicode text
   (a lone surrogate such as ``"\\ud800"``, which the tokenizer and the JSON encoder refuse

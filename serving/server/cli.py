@@ -3,9 +3,15 @@ OpenAI-compatible HTTP API and Prometheus metrics.
 
 Start-up order: the gRPC port opens first with health ``NOT_SERVING`` (so orchestrators
 see a live process while executables compile), the service is built on a thread, then
-health turns ``SERVING`` and the HTTP and metrics ports open. SIGTERM or SIGINT drains:
-health ``NOT_SERVING``, new requests refused, running ones given ``--grace-seconds``,
-then exit 0.
+health turns ``SERVING`` and the HTTP and metrics ports open. SIGTERM or SIGINT drains
+(:func:`_drain`): the ports keep listening, health says ``NOT_SERVING`` (HTTP: 503 with
+``Retry-After``), new requests are refused, running ones are given ``--grace-seconds`` and
+then end with an abort finish reason; then exit 0.
+
+What a client may send is bounded (issue 31): ``--max-request-bytes`` for an HTTP body and a
+gRPC message alike, ``--read-timeout`` for HTTP headers and bodies, and the parsing,
+tokenizing and chat-template rendering of both front ends run on ``--tokenize-workers``
+threads, never on the event loop that answers health checks and streams tokens.
 """
 
 from __future__ import annotations
@@ -30,8 +36,17 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
     group.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (off unless given)")
     group.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics port (off unless given)")
-    group.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain for gRPC TLS")
-    group.add_argument("--tls-key", type=Path, default=None, help="PEM private key for gRPC TLS")
+    group.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: TLS on the gRPC and HTTP ports")
+    group.add_argument("--tls-key", type=Path, default=None, help="PEM private key: TLS on the gRPC and HTTP ports")
+    group.add_argument("--max-request-bytes", type=int, default=None, metavar="BYTES",
+                       help="the largest request either front end reads: an HTTP body (413 past it, refused on its "
+                            "Content-Length or as it streams) and a gRPC message (RESOURCE_EXHAUSTED); default 4 MiB")
+    group.add_argument("--read-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="HTTP: a request's headers, and then its body, must each arrive within this (the "
+                            "connection is closed, or the request answered 408)")
+    group.add_argument("--tokenize-workers", type=int, default=2,
+                       help="threads that parse, tokenize and render chat templates for both front ends, off the "
+                            "event loop that serves health checks and streams")
     group.add_argument("--api-key-file", type=Path, default=None,
                        help="a file holding the bearer token both front ends require")
     group.add_argument("--grace-seconds", type=float, default=30.0,
@@ -103,13 +118,18 @@ def serve_main(argv: list[str]) -> int:
 async def _serve(args, tls, api_key) -> int:
     from shiftjax.serving.server.grpc_server import GrpcServer
     from shiftjax.serving.server.metrics import Metrics
+    from shiftjax.serving.server.tokenize_pool import TokenizePool
+    from shiftjax.serving.server.validation import DEFAULT_MAX_REQUEST_BYTES
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
 
-    grpc_server = GrpcServer(host=args.host, port=args.port, tls=tls, api_key=api_key)
+    max_request_bytes = args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES
+    pool = TokenizePool(workers=args.tokenize_workers)  # both front ends' parsing and tokenizing
+    grpc_server = GrpcServer(host=args.host, port=args.port, tls=tls, api_key=api_key,
+                             max_message_bytes=max_request_bytes, pool=pool)
     await grpc_server.start()
     scheme = "TLS" if tls else "plaintext"
     log.info("gRPC listening on %s (%s%s); health NOT_SERVING until the executables are ready",
@@ -133,18 +153,21 @@ async def _serve(args, tls, api_key) -> int:
 
     http_server = http_task = metrics_server = None
     if args.http_port is not None:
+        from shiftjax.serving.server.body_limits import HttpLimits
         from shiftjax.serving.server.http_server import create_app, uvicorn_server
 
-        app = create_app(service, model_name=service.model_name, api_key=api_key,
-                         metrics=metrics)
-        http_server = uvicorn_server(app, host=args.host, port=args.http_port)
-        http_server.config.timeout_graceful_shutdown = max(1, round(args.grace_seconds))
+        limits = HttpLimits(max_request_bytes=max_request_bytes, read_timeout_seconds=args.read_timeout)
+        app = create_app(service, model_name=service.model_name, api_key=api_key, metrics=metrics,
+                         limits=limits, pool=pool)
+        http_server = uvicorn_server(app, host=args.host, port=args.http_port,
+                                     tls_files=(args.tls_cert, args.tls_key) if tls else None)
         http_task = loop.create_task(http_server.serve())
         while not http_server.started and not http_task.done():
             await asyncio.sleep(0.05)
         if http_task.done():  # uvicorn failed to bind; it logged why
             raise OSError(f"cannot serve HTTP on {args.host}:{args.http_port}")
-        log.info("serving OpenAI-compatible HTTP on http://%s:%d/v1", args.host, args.http_port)
+        log.info("serving OpenAI-compatible HTTP on %s://%s:%d/v1 (requests up to %d bytes)",
+                 "https" if tls else "http", args.host, args.http_port, max_request_bytes)
     if args.metrics_port is not None:
         from shiftjax.serving.server.metrics import start_metrics_server
 
@@ -153,19 +176,51 @@ async def _serve(args, tls, api_key) -> int:
     log.info("serving gRPC on %s (shiftjax.v1.InferenceService, health, reflection)", grpc_server.address)
     await stop.wait()
 
-    log.info("draining: health NOT_SERVING, new requests refused, %.0f s for running ones", args.grace_seconds)
-    drains = [service.drain(args.grace_seconds), grpc_server.drain(args.grace_seconds + 1.0)]
-    if http_server is not None:
-        http_server.should_exit = True
-        drains.append(http_task)
-    aborted = (await asyncio.gather(*drains, return_exceptions=True))[0]
-    if isinstance(aborted, int) and aborted:
-        log.warning("%d requests were still running after the grace period and were aborted", aborted)
+    await _drain(service, grpc_server, http_server, args.grace_seconds)
+    if http_task is not None:
+        await asyncio.gather(http_task, return_exceptions=True)
     if metrics_server is not None:
         metrics_server.shutdown()
     service.shutdown()
+    pool.shutdown()
     log.info("stopped")
     return 0
+
+
+# After the grace, how long the aborted streams have to reach their clients (an abort takes
+# effect at the engine thread's next pass, after the step it is in: seconds on a loaded CPU).
+ABORT_DELIVERY_SECONDS = 15.0
+
+
+async def _drain(service, grpc_server, http_server, grace_seconds: float) -> None:
+    """SIGTERM's drain, which clients can see: both ports keep listening, health answers
+    NOT_SERVING (gRPC) and 503 with Retry-After (HTTP), new requests UNAVAILABLE / 503;
+    running requests get ``grace_seconds``; then the service aborts the rest, so every
+    stream ends with an abort finish (``finish_reason: "abort"`` and ``[DONE]`` on SSE,
+    ``FINISH_REASON_ABORT`` on gRPC) rather than a cut connection; only then do the ports
+    close."""
+    log.info("draining: health NOT_SERVING, new requests refused, %.0f s for running ones", grace_seconds)
+    await grpc_server.begin_drain()
+    aborted = await service.drain(grace_seconds)  # the service's draining flag turns HTTP /health 503
+    if aborted:
+        log.warning("%d requests were still running after the grace period; their streams end with an abort",
+                    aborted)
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + ABORT_DELIVERY_SECONDS
+    left = await grpc_server.wait_for_streams(ABORT_DELIVERY_SECONDS)
+    while http_server is not None and _http_requests(http_server) and loop.time() < give_up:
+        await asyncio.sleep(0.02)
+    if left or (http_server is not None and _http_requests(http_server)):
+        log.warning("streams still open %.0f s after their aborts; closing them", ABORT_DELIVERY_SECONDS)
+    if http_server is not None:
+        http_server.config.timeout_graceful_shutdown = 1
+        http_server.should_exit = True
+    await grpc_server.server.stop(0.5)
+
+
+def _http_requests(http_server) -> int:
+    """HTTP requests uvicorn is still answering (a finished stream's task is gone)."""
+    return len(http_server.server_state.tasks)
 
 
 async def _build_or_stop(args, observer, stop: asyncio.Event):

@@ -114,4 +114,8 @@ def shown(value, limit: int = 40) -> str:
     """``repr(value)`` cut to ``limit`` characters: an error message must not echo a client's
     megabytes (or its terminal escapes: repr escapes them)."""
     text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+    if len(text) <= limit:
+        return text
+    size = f"{len(value)} characters" if isinstance(value, str) else \
+        f"{len(value)} items" if isinstance(value, (list, tuple, dict)) else f"{len(text)} characters"
+    return f"{text[:limit]}... ({size})"
