@@ -35,7 +35,8 @@ class SamplingParams:
 
     def __post_init__(self):
         def refuse(field, message):
-            raise InvalidRequest(field, f"{message}, got {getattr(self, field)!r}")
+            got = repr(getattr(self, field))  # cut: a client's 10,000 stop strings are not echoed back
+            raise InvalidRequest(field, f"{message}, got {got if len(got) <= 80 else got[:80] + '...'}")
 
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             refuse("max_tokens", "must be a positive integer")

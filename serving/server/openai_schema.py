@@ -111,7 +111,7 @@ def refuse_unimplemented(request: CompletionRequest | ChatCompletionRequest) -> 
     """Raises :class:`InvalidRequest` for a known parameter set to a value this server
     does not implement."""
     def refuse(field, what):
-        raise InvalidRequest(field, f"this server does not implement {what}, got {getattr(request, field)!r}")
+        raise InvalidRequest(field, f"this server does not implement {what}, got {shown(getattr(request, field))}")
 
     if request.n != 1:
         refuse("n", "n > 1 (send the request n times, with different seeds)")
