@@ -185,7 +185,7 @@ def test_fuzzed_bodies_and_requests_get_2xx_or_a_4xx_by_name_then_greedy_is_exac
 
     from hostile_inputs import check_grpc_answer, check_http_answer, hostile_bodies, hostile_messages
 
-    fuzz = settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    fuzz = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     generate = client.channel.unary_stream("/shiftjax.v1.InferenceService/Generate")
     outcomes = []
     with httpx.Client(base_url=served["http"], timeout=120) as http:

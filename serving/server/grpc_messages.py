@@ -19,6 +19,7 @@ from shiftjax.serving.server import validation
 from shiftjax.serving.server.protocol import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Delta, GenerationRequest,
                                               ServiceStats)
 from shiftjax.serving.server.request_ids import checked_request_id
+from shiftjax.serving.server.tokenize_pool import encode
 from shiftjax.serving.server.validation import checked_cache_salt
 
 FINISH_REASON = {FINISH_STOP: pb.FINISH_REASON_STOP, FINISH_LENGTH: pb.FINISH_REASON_LENGTH,
@@ -64,9 +65,9 @@ def prompt_ids_from(request: pb.GenerateRequest, tokenizer) -> tuple[int, ...]:
     if given[0] == "prompt_ids":
         return tuple(request.prompt_ids)  # the service checks them against the model's vocabulary
     if given[0] == "prompt":
-        ids = tokenizer.encode(request.prompt, add_special_tokens=True)
+        ids = encode(tokenizer, request.prompt, add_special_tokens=True)
     else:
-        ids = tokenizer.encode(render_chat(tokenizer, request.messages), add_special_tokens=False)
+        ids = encode(tokenizer, render_chat(tokenizer, request.messages), add_special_tokens=False)
     if not ids:
         raise InvalidRequest(given[0], "encodes to no tokens")
     return tuple(ids)

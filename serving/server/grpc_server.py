@@ -24,7 +24,7 @@ from shiftjax.serving.engine.errors import DeadlineExceeded, InvalidRequest, Ove
 from shiftjax.serving.proto.shiftjax.v1 import inference_pb2 as pb
 from shiftjax.serving.proto.shiftjax.v1 import inference_pb2_grpc as pb_grpc
 from shiftjax.serving.server.protocol import FINISH_ERROR
-from shiftjax.serving.server.tokenize_pool import TokenizePool
+from shiftjax.serving.server.tokenize_pool import TokenizePool, decode, encode
 from shiftjax.serving.server.validation import DEFAULT_MAX_REQUEST_BYTES, bearer_token_matches
 
 log = logging.getLogger("shiftjax.serving.grpc")
@@ -122,9 +122,9 @@ def _tokenize(tokenizer, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
         raise InvalidRequest("messages", "give text or messages, not both")
     if request.messages:
         rendered = messages.render_chat(tokenizer, request.messages)
-        return pb.TokenizeResponse(token_ids=tokenizer.encode(rendered, add_special_tokens=False),
+        return pb.TokenizeResponse(token_ids=encode(tokenizer, rendered, add_special_tokens=False),
                                    rendered_prompt=rendered)
-    return pb.TokenizeResponse(token_ids=tokenizer.encode(request.text, request.add_special_tokens))
+    return pb.TokenizeResponse(token_ids=encode(tokenizer, request.text, request.add_special_tokens))
 
 
 def _detokenize(tokenizer, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
@@ -133,7 +133,7 @@ def _detokenize(tokenizer, request: pb.DetokenizeRequest) -> pb.DetokenizeRespon
         if not 0 <= token < vocab_size:
             raise InvalidRequest("token_ids", f"token id {token} at position {i} is outside "
                                               f"the vocabulary [0, {vocab_size})")
-    return pb.DetokenizeResponse(text=tokenizer.decode(request.token_ids, request.skip_special_tokens))
+    return pb.DetokenizeResponse(text=decode(tokenizer, request.token_ids, request.skip_special_tokens))
 
 
 async def _abort(context, error: Exception):

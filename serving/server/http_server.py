@@ -40,7 +40,7 @@ from shiftjax.serving.server.http_streams import PromptStreams
 from shiftjax.serving.server.metrics import Metrics
 from shiftjax.serving.server.protocol import GenerationRequest, prompt_ids_or_error
 from shiftjax.serving.server.request_ids import new_request_id
-from shiftjax.serving.server.tokenize_pool import TokenizePool
+from shiftjax.serving.server.tokenize_pool import TokenizePool, encode
 from shiftjax.serving.server.validation import bearer_token_matches, checked_cache_salt, shown
 
 log = logging.getLogger(__name__)
@@ -219,7 +219,7 @@ def completion_prompts(prompt, tokenizer) -> list[tuple[int, ...]]:
     ``prompt``: a string, a list of token ids, or a list of either (several prompts)."""
     vocab = tokenizer.vocab_size
     if isinstance(prompt, str):
-        return [prompt_ids_or_error(tokenizer.encode(prompt, add_special_tokens=True), vocab, "prompt")]
+        return [prompt_ids_or_error(encode(tokenizer, prompt), vocab, "prompt")]
     if not prompt:
         raise InvalidRequest("prompt", "is empty; give a string, a list of token ids, or a list of either")
     if isinstance(prompt[0], int):
@@ -227,8 +227,8 @@ def completion_prompts(prompt, tokenizer) -> list[tuple[int, ...]]:
     if len(prompt) > MAX_PROMPTS_PER_REQUEST:
         raise InvalidRequest("prompt", f"has {len(prompt)} prompts; send at most {MAX_PROMPTS_PER_REQUEST} "
                                        "per request")
-    return [prompt_ids_or_error(tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else p,
-                                vocab, f"prompt.{i}") for i, p in enumerate(prompt)]
+    return [prompt_ids_or_error(encode(tokenizer, p) if isinstance(p, str) else p, vocab, f"prompt.{i}")
+            for i, p in enumerate(prompt)]
 
 
 def chat_prompt(body: schema.ChatCompletionRequest, tokenizer) -> tuple[int, ...]:
@@ -239,7 +239,7 @@ def chat_prompt(body: schema.ChatCompletionRequest, tokenizer) -> tuple[int, ...
     except Exception as error:  # no template, or the template's raise_exception
         raise InvalidRequest("messages", f"cannot be rendered with the model's chat template: "
                                          f"{str(error)[:300]}") from None
-    return prompt_ids_or_error(tokenizer.encode(text, add_special_tokens=False), tokenizer.vocab_size, "messages")
+    return prompt_ids_or_error(encode(tokenizer, text, add_special_tokens=False), tokenizer.vocab_size, "messages")
 
 
 def _fit_default(params: SamplingParams, prompt_len: int, max_model_len: int | None) -> SamplingParams:

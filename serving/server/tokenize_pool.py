@@ -2,11 +2,14 @@
 so that the event loop both front ends share never does.
 
 On the loop, a 20 MB prompt took 16-18 s to tokenize, and for all that time HTTP
-``/health``, gRPC health and every other request's stream stood still (issue 31). In a
-worker thread it stalls nothing: the tokenizers library releases the GIL while it encodes
-(a 2.2 MB prompt, 1.4 s of encoding, left another thread waking every 10 ms late by at most
-40 ms; this 2-core CPU, 2026-12), and the pure-Python work (a chat template, JSON) yields
-the GIL to the loop every switch interval (5 ms).
+``/health``, gRPC health and every other request's stream stood still (issue 31). A worker
+thread alone is not enough: the tokenizers library's ``encode`` held the GIL for the whole
+of an encode from the second call on (a 2.7 MB prompt, 450,000 tokens: the loop stalled
+1.16-1.32 s, as long as the encode), and ``decode`` held it too (300,000 ids: 46 ms), while
+``encode_batch`` and ``decode_batch`` of one text released it every time (the loop's worst
+gap 22-33 ms and 6 ms; tokenizers 0.23.3, this 2-core CPU, 2026-12). So :func:`encode` and
+:func:`decode` go through the batch calls. The pure-Python work (a chat template, JSON)
+yields the GIL to the loop every switch interval (5 ms).
 
 The pool is bounded twice: ``workers`` threads, and at most ``max_pending`` jobs queued or
 running, past which a request is refused as :class:`Overloaded` (429 / RESOURCE_EXHAUSTED)
@@ -64,3 +67,20 @@ class TokenizePool:
     def shutdown(self) -> None:
         """Drops queued jobs and lets the running ones end on their own."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """``tokenizer.encode(text, add_special_tokens)``, the same ids, with the GIL released
+    while a tokenizers backend works (the module docstring); any other tokenizer's own."""
+    batch = getattr(getattr(tokenizer, "backend", None), "encode_batch", None)
+    if batch is None or not isinstance(text, str):
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+def decode(tokenizer, ids, skip_special_tokens: bool = True) -> str:
+    """``tokenizer.decode(ids, skip_special_tokens)``, with the GIL released likewise."""
+    batch = getattr(getattr(tokenizer, "backend", None), "decode_batch", None)
+    if batch is None:
+        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    return batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
