@@ -16,7 +16,9 @@ import pytest
 
 from shiftjax.serving.client.grpc_client import AsyncClient, Client, generate_request
 from shiftjax.serving.proto.shiftjax.v1 import inference_pb2 as pb
+from shiftjax.serving.engine.errors import InvalidRequest
 from shiftjax.serving.engine.sampling_params import SamplingParams
+from shiftjax.serving.server.protocol import GenerationRequest
 from loopback import free_port, wait_for
 
 pytestmark = pytest.mark.slow
@@ -292,4 +294,9 @@ def test_the_id_stealing_sequence_fails_no_one(client, served):
     assert copycat.finish_reason == "length"  # even a copied server id takes nothing from anyone
     for first, thief in zip(firsts, thieves):
         assert len(first.token_ids) + sum(len(r.token_ids) for r in thief) == 10  # the thieves are served too
+    async def submit_long_id():  # the service's own rule, for callers of its Python API
+        served["service"].submit(GenerationRequest((1, 2), SamplingParams(max_tokens=1), request_id="x" * 129))
+
+    with pytest.raises(InvalidRequest, match="^request_id: has 129 characters"):
+        asyncio.run(submit_long_id())
     assert wait_for(lambda: served["service"].stats().free_pages == served["service"].stats().num_pages, 5)

@@ -7,6 +7,12 @@ stream is what cancels a request, so the ``finally`` around the stream is the wh
 cancellation: grpc.aio cancels the handler's task when the client cancels, disconnects or
 its deadline passes, and the stream's ``aclose()`` frees the request's pages at once. The
 service alone says a request ended for its deadline (:class:`DeadlineExceeded`).
+
+Against hostile clients (issue 31): messages past ``max_message_bytes`` are
+RESOURCE_EXHAUSTED before a byte is parsed, bytes that are no request message are
+INVALID_ARGUMENT (:class:`UndecodableRequestInterceptor`), tokenizing runs on a
+:class:`TokenizePool` thread, and a client's ``request_id`` labels its own call only (the
+service keys every request by an id of its own), so no client can take another's.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ class GenerationRequest:
 
     prompt_ids: tuple[int, ...]
     params: SamplingParams
-    request_id: str | None = None  # the service assigns a unique id when None
+    request_id: str | None = None  # None: the service assigns a random one (request_ids.py says what a given one may be)
     deadline: float | None = None
     cache_salt: str | None = None
 
