@@ -59,7 +59,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                             "driver's free memory")
     group.add_argument("--dp", type=int, default=1, metavar="P",
                        help="data parallel: P engines of one device each (devices 0..P-1) behind this one endpoint, "
-                            "each request routed to the engine with the fewest queued tokens; needs --sp 1 --tp 1")
+                            "each with its own prefix cache, each request routed to the engine with the least "
+                            "work queued once the prompt tokens it holds cached are taken off; needs --sp 1 --tp 1")
 
 
 def _parser() -> argparse.ArgumentParser:
