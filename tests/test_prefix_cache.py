@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_scheduler_properties import fake_token, run_on_stand_in_device
+from test_scheduler_properties import draw_config, fake_token, run_on_stand_in_device
 
 from shiftjax.serving.engine.sampling_params import SamplingParams
 from shiftjax.serving.engine.scheduler import Scheduler, SchedulerConfig
@@ -70,11 +70,8 @@ def shared_workloads(draw):
     page_size = draw(st.sampled_from([4, 8]))
     specs = draw(st.lists(st.tuples(st.integers(0, 1), st.integers(0, 40), st.integers(1, 12), st.integers(1, 12)),
                           min_size=1, max_size=8))
-    longest = max(shared + suffix + most for _, shared, suffix, most in specs)
-    min_pages = -(-longest // page_size) + 1
-    num_pages = draw(st.integers(min_pages, min_pages + 4 * len(specs)))
-    config = SchedulerConfig(max_num_batched_tokens=draw(st.integers(1, 32)), max_num_seqs=draw(st.integers(1, 4)),
-                             max_model_len=64, page_size=page_size, num_pages=num_pages, enable_prefix_caching=True)
+    config = draw_config(draw, page_size, max(shared + suffix + most for _, shared, suffix, most in specs),
+                         4 * len(specs), enable_prefix_caching=True)
     return config, specs, draw(st.integers(0, 2**16))
 
 

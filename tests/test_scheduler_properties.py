@@ -20,12 +20,17 @@ def workloads(draw):
     page_size = draw(st.sampled_from([4, 8, 16]))
     requests = draw(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 24), st.integers(-1, 23)),
                              min_size=1, max_size=8))
-    longest = max(p + m for p, m, _ in requests)
-    min_pages = -(-longest // page_size) + 1
-    num_pages = draw(st.integers(min_pages, min_pages + 3 * len(requests) * 4))
-    config = SchedulerConfig(max_num_batched_tokens=draw(st.integers(1, 32)), max_num_seqs=draw(st.integers(1, 4)),
-                             max_model_len=64, page_size=page_size, num_pages=num_pages)
+    config = draw_config(draw, page_size, max(p + m for p, m, _ in requests), 3 * len(requests) * 4)
     return config, requests, draw(st.integers(0, 2**16))
+
+
+def draw_config(draw, page_size: int, longest: int, extra_pages: int, **options) -> SchedulerConfig:
+    """A scheduler under random load: a page pool from just enough for the longest request
+    (``longest`` tokens) to ``extra_pages`` more, a random token budget and sequence limit."""
+    min_pages = -(-longest // page_size) + 1
+    num_pages = draw(st.integers(min_pages, min_pages + extra_pages))
+    return SchedulerConfig(max_num_batched_tokens=draw(st.integers(1, 32)), max_num_seqs=draw(st.integers(1, 4)),
+                           max_model_len=64, page_size=page_size, num_pages=num_pages, **options)
 
 
 @settings(max_examples=150, deadline=None)
