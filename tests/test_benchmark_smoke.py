@@ -43,10 +43,11 @@ SCRIPTS = {"shift_x2.py": (["--smoke", "--engine-variants", "shipped,in_step_sam
            "command_buffer_log.py": (["--smoke"], "command_buffer_log.json"),
            "exchange_bandwidth.py": (["--smoke"], "exchange.json"),
            "decode_anatomy.py": (["--smoke", "--seqs", "8", "--gemm-rows", "8"], "decode_anatomy.json"),
-           "decode_gemm_sweep.py": (["--smoke"], "decode_gemm_sweep.json")}
+           "decode_gemm_sweep.py": (["--smoke"], "decode_gemm_sweep.json"),
+           "hostile_clients.py": (["--smoke"], "hostile_clients.json")}
 # restore_gpu.py --smoke runs in tests/test_sharded_restore.py, which checks its phases' results
 SMOKED_ELSEWHERE = {"restore_gpu.py"}
-SLOW = {"shift_x2.py", "x8_checks.py"}  # about a minute of wall clock each on a 2-core machine
+SLOW = {"shift_x2.py", "x8_checks.py", "hostile_clients.py"}  # about a minute of wall clock each on a 2-core machine
 
 
 def run(cmd, env_extra=None, timeout=900, cwd=ROOT):
@@ -162,6 +163,10 @@ def test_script_smoke(script, tmp_path):
         assert len(sums) == 8 and all(row["devices_agree"] and row["repeats_agree"] for row in sums), data
     if script == "exchange_bandwidth.py":  # every exchange size timed (XLA's alone on the CPU)
         assert len(data) == 7 and all(row["nccl"]["us"] > 0 for row in data.values())
+    if script == "hostile_clients.py":  # issue 31: no 5xx, nothing lost, a clean drain
+        assert not [code for code in data["http_bodies"]["answers"] if str(code).startswith("5")], data["http_bodies"]
+        assert data["greedy_unchanged"] and data["sigterm"]["exit_status"] == 0, data
+        assert data["server_log"]["traceback_lines"] == data["server_log"]["error_lines"] == 0, data["server_log"]
     if script == "decode_anatomy.py":  # the decode step found (the engine's ladder) and its HLO read back
         decode = data["anatomy::"]["decode8"]
         assert decode["executable"] == ["tp", 16, 8] and decode["hlo_instructions_from_model"] > 0, decode
