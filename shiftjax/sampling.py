@@ -1,6 +1,7 @@
 """Sampling on the device: greedy, temperature, top-k, top-p and min-p, one key per
-sequence; the model's most likely alternatives for ``top_logprobs``; and the packing of
-both into the one small int32 array a step sends to the host."""
+sequence, within the tokens a structured-output grammar allows; the model's most likely
+alternatives for ``top_logprobs``; and the packing of both into the one small int32 array a
+step sends to the host."""
 
 from __future__ import annotations
 
@@ -20,6 +21,13 @@ def greedy(logits: Float[Array, "seqs vocab"]) -> tuple[Int[Array, "seqs"], Floa
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
 
+def allowed_tokens(bitmask: Int[Array, "seqs words"], vocab: int) -> Bool[Array, "seqs vocab"]:
+    """A grammar's bitmask unpacked: token ``i`` of a row is allowed when bit ``i % 32`` of
+    the row's word ``i // 32`` is set (llguidance's layout; ``serving/engine/grammar.py``)."""
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].astype(bool)
+
+
 def sample(
     logits: Float[Array, "seqs vocab"],
     temperature: Float[Array, "seqs"],
@@ -29,10 +37,15 @@ def sample(
     step_of_seq: Int[Array, "seqs"],
     *,
     min_p: Float[Array, "seqs"] | None = None,
+    allowed: Bool[Array, "seqs vocab"] | None = None,
     skip_draw_if_greedy: bool = True,
 ) -> tuple[Int[Array, "seqs"], Float[Array, "seqs"]]:
     """Returns the sampled token of every row and its log-probability under the model
-    (before temperature and filters, as vLLM reports it).
+    (before temperature, filters and grammar, as vLLM reports it).
+
+    ``allowed`` (a grammar's tokens, :func:`allowed_tokens`): every other token's logit is
+    ``-inf`` before anything is chosen, greedy included, so that the filters and the draw
+    see only what the grammar allows.
 
     ``temperature == 0`` is greedy; ``top_k == 0``, ``top_p == 1`` and ``min_p == 0``
     disable those filters. The key of row ``b`` is ``fold_in(key(seed[b]), step_of_seq[b])``,
@@ -44,6 +57,8 @@ def sample(
     """
     logits = logits.astype(jnp.float32)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
+    if allowed is not None:
+        logits = jnp.where(allowed, logits, -jnp.inf)
     most_likely = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if min_p is None:
         min_p = jnp.zeros_like(temperature)
@@ -132,13 +147,16 @@ def top_logprobs(
 
 
 def pack_samples(logits: Float[Array, "seqs vocab"], batch: StepBatch, max_top_logprobs: int, *,
+                 bitmask: Int[Array, "seqs words"] | None = None,
                  skip_unneeded: bool = True) -> Int[Array, "seqs columns"]:
-    """Samples every row with its sequence's parameters from ``batch`` and packs the result
-    as ``[seqs, 2 + 2 * max_top_logprobs]`` int32: the token, the bit pattern of its
-    float32 log-probability, then the ``max_top_logprobs`` most likely tokens' ids and
-    their log-probability bits. ``skip_unneeded``: see :func:`sample`."""
+    """Samples every row with its sequence's parameters from ``batch``, within ``bitmask``'s
+    allowed tokens if given, and packs the result as ``[seqs, 2 + 2 * max_top_logprobs]``
+    int32: the token, the bit pattern of its float32 log-probability, then the
+    ``max_top_logprobs`` most likely tokens' ids and their log-probability bits (all under
+    the model, unmasked). ``skip_unneeded``: see :func:`sample`."""
+    allowed = None if bitmask is None else allowed_tokens(bitmask, logits.shape[-1])
     tokens, logprobs = sample(logits, batch.temperature, batch.top_p, batch.top_k, batch.seed, batch.seq_lens,
-                              min_p=batch.min_p, skip_draw_if_greedy=skip_unneeded)
+                              min_p=batch.min_p, allowed=allowed, skip_draw_if_greedy=skip_unneeded)
     columns = [tokens[:, None], lax.bitcast_convert_type(logprobs, jnp.int32)[:, None]]
     if max_top_logprobs:
         top_ids, top_values = top_logprobs(logits, batch.top_logprobs > 0, max_top_logprobs,

@@ -15,6 +15,15 @@ costs about the larger of the two (benchmarks/README.md, "Two GPUs"). A request 
 samples in step N decodes in N+1 with a token
 the host has not seen: N+1's executable takes it from N's result on the devices before
 it runs the model (``token_fills.py``).
+
+Structured outputs (``grammar.py``): a constrained row's allowed tokens are a bitmask the
+sampler applies on the devices. Its mask for step N+1 needs its token of step N, which the
+host does not have when it launches N+1 ahead of N's result. Such a step is launched
+without its sampling: the devices run N+1's model while the host waits for N, commits it
+(each grammar consumes its token) and fills the masks; N+1's sampler is then launched,
+before N+2 is scheduled, which reads its samples. The model's work still overlaps the
+host's; the masks' fill and the sampler's launch are what a constrained step adds to it
+(``StepCounters.mask_seconds``).
 """
 
 from __future__ import annotations
@@ -23,8 +32,12 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from shiftjax.serving.engine import builder
 from shiftjax.serving.engine.config import EngineConfig
+from shiftjax.serving.engine.errors import InvalidRequest
+from shiftjax.serving.engine.grammar import CompiledGrammar, GrammarCompiler, GrammarState, MaskFiller, allow_all
 from shiftjax.serving.engine.prefix_cache import cache_key
 from shiftjax.serving.engine.runner import LaunchedStep
 from shiftjax.serving.engine.sampling_params import SamplingParams
@@ -73,14 +86,18 @@ class StepReport:
 
 class Engine:
     """``report(message)``, if given, receives start-up progress lines (page pool, compiles).
-    ``adjust_steps``: a benchmark's variant of the steps (``builder.build``)."""
+    ``grammar_compiler`` compiles requests' structured outputs (none: such requests are
+    refused). ``adjust_steps``: a benchmark's variant of the steps (``builder.build``)."""
 
     def __init__(self, weights: ModelWeights, config: EngineConfig, eos_token_ids=(),
                  report: Callable[[str], None] | None = None, *,
+                 grammar_compiler: GrammarCompiler | None = None,
                  adjust_steps: Callable[[StepOptions], StepOptions] | None = None):
         self.weights = weights
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
+        self.grammar_compiler = grammar_compiler
+        self._mask_filler: MaskFiller | None = None
         parts = builder.build(weights, config, report or (lambda message: None), adjust_steps)
         self.modes = parts.modes
         self.step_options = parts.step_options
@@ -93,6 +110,7 @@ class Engine:
         self.counters = StepCounters(self.modes)
         self._in_flight: LaunchedStep | None = None  # launched by advance, not yet finished
         self._last_finished = 0.0
+        self._deferred_failure: StepFailed | None = None  # a deferred sampling's, for advance to report
 
     @property
     def executables(self):
@@ -144,12 +162,29 @@ class Engine:
             steps=counters.steps, switches=counters.switches, tokens=counters.tokens,
             steps_by_mode=dict(counters.steps_by_mode), tokens_by_mode=dict(counters.tokens_by_mode),
             prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
-            cached_pages=allocator.num_cached, evicted_pages=allocator.num_evicted)
+            cached_pages=allocator.num_cached, evicted_pages=allocator.num_evicted,
+            mask_seconds=counters.mask_seconds, mask_fills=counters.mask_fills, masked_rows=counters.masked_rows,
+            **({} if (compiler := self.grammar_compiler) is None else dict(
+                grammar_compiles=compiler.compiles, grammar_cache_hits=compiler.cache_hits,
+                grammar_compile_seconds=compiler.compile_seconds)))
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> Request:
         """Queues a request (``cache_salt``: it shares cached prompt pages only with requests
-        of the same salt); :class:`InvalidRequest` for one that breaks an admission rule."""
-        return self.scheduler.add(prompt_ids, params, self.eos_token_ids, cache_salt)
+        of the same salt); :class:`InvalidRequest` for one that breaks an admission rule or
+        whose structured outputs do not compile (compiled here unless cached already:
+        :meth:`compile_grammar` on another thread keeps that off the step loop)."""
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = GrammarState(self.compile_grammar(params))
+        return self.scheduler.add(prompt_ids, params, self.eos_token_ids, cache_salt, grammar)
+
+    def compile_grammar(self, params: SamplingParams) -> CompiledGrammar:
+        """``params.structured_outputs`` compiled (cached); thread-safe. :class:`InvalidRequest`
+        naming ``structured_outputs.<kind>`` if it does not compile or this engine has no
+        grammar compiler."""
+        if self.grammar_compiler is None:
+            raise InvalidRequest("structured_outputs", "this engine was built without a tokenizer for grammars")
+        return self.grammar_compiler.compile(params.structured_outputs)
 
     def cached_prefix_tokens(self, prompt_ids: list[int], cache_salt: str | None = None) -> int:
         """Prompt tokens of ``prompt_ids`` the prefix cache holds now (a probe for routing;
@@ -217,6 +252,9 @@ class Engine:
             finished = self.finish_step(current)
         except StepFailed as failure:
             return PipelineTurn(tuple(launched), None, (*failed, failure))
+        if self._deferred_failure is not None:
+            failed.append(self._deferred_failure)
+            self._deferred_failure = None
         if not self.config.async_scheduling:
             self._in_flight = self._launch_noting(launched, failed)
         return PipelineTurn(tuple(launched), finished, tuple(failed))
@@ -248,7 +286,11 @@ class Engine:
         try:
             bucket = self.executables.ladder.pick(scheduled.num_tokens, len(scheduled.requests))
             mode = self.policy.choose(*bucket)
-            return self.runner.launch(scheduled, mode, bucket, start)
+            if not scheduled.constrained:
+                return self.runner.launch(scheduled, mode, bucket, start)
+            if scheduled.masks_wait:  # sampled once the step in flight is committed (finish_step)
+                return self.runner.launch(scheduled, mode, bucket, start, defer_sampling=True)
+            return self.runner.launch(scheduled, mode, bucket, start, bitmask=self._masks(scheduled))
         except BaseException as error:  # an interrupt too: nothing may stay scheduled but unlaunched
             self.scheduler.forget(scheduled)
             if self.runner.recover_caches():
@@ -274,12 +316,46 @@ class Engine:
         switched = self.counters.count(mode, scheduled.num_tokens)
         finished = self.scheduler.commit(scheduled, result.tokens, result.logprobs, mode,
                                          result.top_ids, result.top_logprobs)
+        self._sample_deferred()
         now = time.perf_counter()
         seconds = now - max(launched.started, self._last_finished)
         self._last_finished = now
         return StepReport(mode=mode, num_tokens=scheduled.num_tokens, bucket=launched.bucket,
                           requests=scheduled.requests, sampled=scheduled.delivered, finished=finished,
                           switched=switched, seconds=seconds)
+
+    def _masks(self, scheduled) -> np.ndarray:
+        """The bitmask of ``scheduled``'s rows: each constrained row's grammar's allowed
+        tokens (rows of requests that ended or were preempted since, and unconstrained rows,
+        allow every token)."""
+        started = time.perf_counter()
+        bitmask = allow_all(len(scheduled.requests), self.weights.config.vocab_size)
+        rows = [(scheduled.requests[b].grammar, b) for b in scheduled.constrained
+                if not scheduled.requests[b].finished
+                and scheduled.requests[b].preemptions == scheduled.preemptions[b]]
+        if self._mask_filler is None:
+            self._mask_filler = MaskFiller()
+        self._mask_filler.fill(bitmask, rows)
+        self.counters.count_masks(len(rows), time.perf_counter() - started)
+        return bitmask
+
+    def _sample_deferred(self) -> None:
+        """Samples the step launched after the one just committed if its masks waited for
+        that commit. A failure forgets that step (its requests recompute) and is reported
+        by :meth:`advance`."""
+        following = self.runner.last_launched
+        if following is None or following.sampled:
+            return
+        try:
+            self.runner.sample_deferred(following, self._masks(following.scheduled))
+        except Exception as error:
+            self.scheduler.forget(following.scheduled)
+            self.runner.forget_launched(new_caches=False)
+            if self._in_flight is following:
+                self._in_flight = None
+            failure = StepFailed(following.scheduled.requests)
+            failure.__cause__ = error
+            self._deferred_failure = failure
 
     def _start_over(self, new_caches: bool) -> None:
         """Forgets every step in flight: running requests go back to the queue (their

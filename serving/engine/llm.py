@@ -13,6 +13,7 @@ from shiftjax.checkpoints.default_model import default_model_path
 from shiftjax.checkpoints.load import load_tokenizer, load_weights, tokenizer_path_for
 from shiftjax.layouts.mesh import make_mesh
 from shiftjax.serving.engine.core import Engine, EngineConfig
+from shiftjax.serving.engine.grammar import GrammarCompiler
 from shiftjax.serving.engine.output_processor import OutputProcessor
 from shiftjax.serving.engine.sampling_params import SamplingParams
 from shiftjax.serving.engine.scheduler import Request
@@ -59,7 +60,9 @@ class LLM:
             report(f"weights ready in {self.load_seconds:.1f} s ({load_format})")
         self.tokenizer = load_tokenizer(tokenizer_path_for(model, load_format, tokenizer))
         eos = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.config.eos_token_ids))
-        self.engine = Engine(self.weights, EngineConfig(**engine_options), eos_token_ids=eos, report=report)
+        grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.config.vocab_size)
+        self.engine = Engine(self.weights, EngineConfig(**engine_options), eos_token_ids=eos, report=report,
+                             grammar_compiler=grammars)
 
     @property
     def compile_seconds(self) -> float:

@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 from shiftjax.serving.engine.errors import InvalidRequest
+from shiftjax.serving.engine.structured_outputs import StructuredOutputs
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as the OpenAI API allows
 MAX_STOP_STRINGS = 16
@@ -17,6 +18,8 @@ class SamplingParams:
     disable those filters. ``logprobs`` returns each generated token's log-probability,
     ``top_logprobs`` (0 to 20) as many alternatives with it. ``stop`` strings end the
     output where they first appear, even across token boundaries, and are not returned.
+    ``structured_outputs`` constrains the output to a schema, regex, choice or grammar
+    (``structured_outputs.py``; the engine masks the logits of the tokens it forbids).
 
     An invalid value raises :class:`InvalidRequest` naming the field.
     """
@@ -32,6 +35,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self):
         def refuse(field, message):
@@ -63,6 +67,8 @@ class SamplingParams:
             refuse("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         if self.top_logprobs and not self.logprobs:
             refuse("top_logprobs", "needs logprobs=True")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            refuse("structured_outputs", "must be a StructuredOutputs or None")
 
 
 def _is_int(value) -> bool:

@@ -58,6 +58,8 @@ class Request:
     num_registered: int = 0
     prefix_checked: bool = False
     num_cached_tokens: int = 0
+    # structured outputs (grammar.py): its place in its grammar, advanced by every commit
+    grammar: object | None = dataclasses.field(default=None, repr=False)
     _page_array: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def page_array(self) -> np.ndarray:
@@ -147,6 +149,10 @@ class ScheduledStep:
     source_step: int | None = None
     preemptions: list[int] = dataclasses.field(default_factory=list)  # per request, when scheduled
     delivered: list[bool] = dataclasses.field(default_factory=list)  # per request, set by commit
+    # rows that sample under a grammar, and whether one of them decodes a token of
+    # ``source_step``: its mask then needs that step committed first (core.py)
+    constrained: list[int] = dataclasses.field(default_factory=list)
+    masks_wait: bool = False
 
     @property
     def takes_sampled_tokens(self) -> bool:
@@ -166,14 +172,16 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, prompt_ids: list[int], params: SamplingParams, eos_token_ids=(),
-            cache_salt: str | None = None) -> Request:
+            cache_salt: str | None = None, grammar=None) -> Request:
         """Queues a request; :class:`InvalidRequest` for one that breaks an admission rule
-        (admission.check_admission), :class:`QueueFull` when the queue is at its bound."""
+        (admission.check_admission), :class:`QueueFull` when the queue is at its bound.
+        ``grammar``: its :class:`~shiftjax.serving.engine.grammar.GrammarState`, if constrained."""
         check_admission(prompt_ids, params, self.config)
         if len(self.waiting) >= self.config.max_queue:
             raise QueueFull(f"admission queue is full ({self.config.max_queue} requests)")
         request = Request(next(self._ids), list(prompt_ids), params,
-                          () if params.ignore_eos else tuple(eos_token_ids), cache_key=cache_key(cache_salt))
+                          () if params.ignore_eos else tuple(eos_token_ids), cache_key=cache_key(cache_salt),
+                          grammar=grammar)
         self.waiting.append(request)
         return request
 
@@ -325,16 +333,21 @@ class Scheduler:
         batch.slot_mapping[:] = batch.page_table[row, positions // page_size] * page_size + positions % page_size
         token_ids, token_source = [], np.full(num_tokens, -1, np.int32)
         samples, sampled_rows, sampled_params = [], [], []
+        constrained, masks_wait = [], False
         for b, (request, size) in enumerate(chunks):
             first = int(firsts[b])
             known = request.token_slice(first, size)
             token_ids += known
-            if len(known) < size:  # a decode of the token the uncommitted step samples
+            decodes_pending = len(known) < size
+            if decodes_pending:  # a decode of the token the uncommitted step samples
                 token_ids += [0] * (size - len(known))
                 token_source[int(ends[b]) - 1] = request.pending_source[1]
             reaches_end = first + size == request.num_tokens + request.num_pending
             samples.append(reaches_end)
             if reaches_end:
+                if request.grammar is not None:
+                    constrained.append(b)
+                    masks_wait = masks_wait or decodes_pending
                 sampled_rows.append(b)
                 sampled_params.append(request.params)
                 request.num_pending += 1
@@ -348,7 +361,8 @@ class Scheduler:
                 getattr(batch, name)[sampled_rows] = [getattr(params, name) for params in sampled_params]
         return ScheduledStep(batch, num_tokens, requests, samples, step_id=step_id,
                              token_source=token_source, source_step=next(iter(sources), None),
-                             preemptions=[r.preemptions for r in requests])
+                             preemptions=[r.preemptions for r in requests], constrained=constrained,
+                             masks_wait=masks_wait)
 
     def commit(self, step: ScheduledStep, tokens, logprobs, mode: str, top_ids=None, top_logprobs=None
                ) -> list[Request]:
@@ -384,6 +398,10 @@ class Scheduler:
                     tuple(zip(top_ids[b, :wanted].tolist(), top_logprobs[b, :wanted].tolist())))
             if token in request.eos_token_ids or token in request.params.stop_token_ids:
                 request.finish_reason = "stop"
+            elif request.grammar is not None and not request.grammar.accept(token):
+                request.finish_reason = "error"  # a token its mask forbids: a bug, not the client's
+            elif request.grammar is not None and request.grammar.terminated:
+                request.finish_reason = "stop"  # the grammar is complete and allows nothing more
             elif len(request.output_ids) >= request.params.max_tokens:
                 request.finish_reason = "length"
             if request.finished:

@@ -24,6 +24,11 @@ class StepCounters:
     last_mode: str | None = None
     steps_by_mode: dict[str, int] = dataclasses.field(default_factory=dict)
     tokens_by_mode: dict[str, int] = dataclasses.field(default_factory=dict)
+    # structured outputs: host time filling grammar masks, the fills (one per step that
+    # had a constrained row) and the rows filled
+    mask_seconds: float = 0.0
+    mask_fills: int = 0
+    masked_rows: int = 0
 
     def __post_init__(self):
         self.steps_by_mode = self.steps_by_mode or dict.fromkeys(self.modes, 0)
@@ -39,6 +44,11 @@ class StepCounters:
         self.tokens_by_mode[mode] += tokens
         self.last_mode = mode
         return switched
+
+    def count_masks(self, rows: int, seconds: float) -> None:
+        self.mask_fills += 1
+        self.masked_rows += rows
+        self.mask_seconds += seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +72,14 @@ class EngineSnapshot:
     prefix_cache_hits: int = 0
     cached_pages: int = 0
     evicted_pages: int = 0
+    # structured outputs (StepCounters), and the grammar compiler's compiles, cache hits
+    # and compile time
+    mask_seconds: float = 0.0
+    mask_fills: int = 0
+    masked_rows: int = 0
+    grammar_compiles: int = 0
+    grammar_cache_hits: int = 0
+    grammar_compile_seconds: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

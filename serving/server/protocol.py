@@ -130,6 +130,12 @@ class EngineService(Protocol):
         ends it instead (gRPC closes the stream at its deadline)."""
         ...
 
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compiles ``params.structured_outputs`` (if any) where the engine finds it cached,
+        on the calling thread (a front end's worker); raises :class:`InvalidRequest` naming
+        ``structured_outputs.<kind>`` for a constraint that does not compile."""
+        ...
+
     def cancel(self, request_id: str) -> bool:
         """Aborts a request; its stream ends with ``finish_reason == "abort"``, even when its
         deadline has passed unnoticed (the caller asked first). Returns whether the request

@@ -160,6 +160,17 @@ class AsyncEngineService:
         return service_stats(self.engine.snapshot() if started else None, inbox=len(self._inbox),
                              draining=self._draining, error=broken)
 
+    def check_structured_outputs(self, params) -> None:
+        """Compiles ``params.structured_outputs`` (if any) into the engine's grammar cache, on
+        the calling thread: a front end calls this on a worker thread before :meth:`submit`,
+        so that the engine thread finds the grammar compiled. :class:`InvalidRequest` naming
+        ``structured_outputs.<kind>`` for one that does not compile."""
+        if getattr(params, "structured_outputs", None) is None:
+            return
+        if not self._started:
+            raise Unavailable("the engine is still starting (compiling its executables); retry shortly")
+        self.engine.compile_grammar(params)
+
     def cached_prefix_tokens(self, prompt_ids, cache_salt: str | None = None) -> int:
         """Prompt tokens the engine's prefix cache holds now (0 while it starts): the
         data-parallel router's probe, from any thread (``Engine.cached_prefix_tokens``)."""
