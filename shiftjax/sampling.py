@@ -13,10 +13,13 @@ from jaxtyping import Array, Bool, Float, Int
 from shiftjax.batch import StepBatch
 
 
-def greedy(logits: Float[Array, "seqs vocab"]) -> tuple[Int[Array, "seqs"], Float[Array, "seqs"]]:
-    """The most likely token of every row and its log-probability."""
+def greedy(logits: Float[Array, "seqs vocab"], allowed: Bool[Array, "seqs vocab"] | None = None
+           ) -> tuple[Int[Array, "seqs"], Float[Array, "seqs"]]:
+    """The most likely token of every row (of the ``allowed`` ones, if given) and its
+    log-probability under the model."""
     logits = logits.astype(jnp.float32)
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    chosen_from = logits if allowed is None else jnp.where(allowed, logits, -jnp.inf)
+    tokens = jnp.argmax(chosen_from, axis=-1).astype(jnp.int32)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
@@ -165,9 +168,10 @@ def pack_samples(logits: Float[Array, "seqs vocab"], batch: StepBatch, max_top_l
     return jnp.concatenate(columns, axis=1)
 
 
-def pack_greedy(logits: Float[Array, "seqs vocab"], max_top_logprobs: int) -> Int[Array, "seqs columns"]:
+def pack_greedy(logits: Float[Array, "seqs vocab"], max_top_logprobs: int,
+                bitmask: Int[Array, "seqs words"] | None = None) -> Int[Array, "seqs columns"]:
     """:func:`pack_samples` of an all-greedy batch that wants no alternatives (their
     columns zero), with no conditional and no sort."""
-    tokens, logprobs = greedy(logits)
+    tokens, logprobs = greedy(logits, None if bitmask is None else allowed_tokens(bitmask, logits.shape[-1]))
     zeros = jnp.zeros((logits.shape[0], 2 * max_top_logprobs), jnp.int32)
     return jnp.concatenate([tokens[:, None], lax.bitcast_convert_type(logprobs, jnp.int32)[:, None], zeros], axis=1)

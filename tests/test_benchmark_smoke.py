@@ -44,7 +44,8 @@ SCRIPTS = {"shift_x2.py": (["--smoke", "--engine-variants", "shipped,in_step_sam
            "exchange_bandwidth.py": (["--smoke"], "exchange.json"),
            "decode_anatomy.py": (["--smoke", "--seqs", "8", "--gemm-rows", "8"], "decode_anatomy.json"),
            "decode_gemm_sweep.py": (["--smoke"], "decode_gemm_sweep.json"),
-           "hostile_clients.py": (["--smoke"], "hostile_clients.json")}
+           "hostile_clients.py": (["--smoke"], "hostile_clients.json"),
+           "structured_outputs.py": (["--smoke"], "structured_outputs.json")}
 # restore_gpu.py --smoke runs in tests/test_sharded_restore.py, which checks its phases' results
 SMOKED_ELSEWHERE = {"restore_gpu.py"}
 SLOW = {"shift_x2.py", "x8_checks.py", "hostile_clients.py"}  # about a minute of wall clock each on a 2-core machine

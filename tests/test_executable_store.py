@@ -66,12 +66,13 @@ def test_a_warm_start_loads_every_step_and_runs_it_the_same(weights, tmp_path, l
     cold = Engine(weights, EngineConfig(**OPTIONS, executable_store=store))
     assert cold.executables.loaded_from_store == 0 and len(lowered_steps) == 4  # 2 modes x 2 buckets
     assert len(step_entries(tmp_path / "store")) == 4
-    assert len(list((tmp_path / "store").glob("sampler-*.executable"))) == 1  # one sequence bucket
+    # one sequence bucket, two samplers (sample_rows, greedy_rows)
+    assert len(list((tmp_path / "store").glob("sampler-*.executable"))) == 2
     lowered_steps.clear()
 
     warm = Engine(weights, EngineConfig(**OPTIONS, executable_store=store))
     assert lowered_steps == [] and warm.executables.loaded_from_store == 4
-    assert (cold.samplers.loaded_from_store, warm.samplers.loaded_from_store) == (0, 1)
+    assert (cold.samplers.loaded_from_store, warm.samplers.loaded_from_store) == (0, 2)
     # start-up phases, for the log and ServerInfo: only a warm start checks stored steps
     assert list(cold.startup_seconds) == ["kv_cache", "executables", "samplers"]
     assert list(warm.startup_seconds) == ["kv_cache", "executables", "check_stored", "samplers"]
@@ -189,7 +190,7 @@ def test_an_executable_from_the_compilation_cache_is_not_stored(tmp_path):
     store, xla = tmp_path / "store", tmp_path / "xla"
     loaded, hits, cold_tokens = child(store, xla)
     assert (loaded, hits) == (0, 0) and len(step_entries(store)) == 4
-    assert len(list(store.glob("sampler-*.executable"))) == 1
+    assert len(list(store.glob("sampler-*.executable"))) == 2
     for entry in store.glob("*.executable"):
         entry.unlink()
     loaded, hits, tokens = child(store, xla)  # every step from the XLA cache: none stored
@@ -240,7 +241,7 @@ def test_a_stored_sampler_samples_as_compiled_and_one_that_fails_is_compiled_aga
 
     cold = Engine(weights, EngineConfig(**OPTIONS, executable_store=store))
     warm = Engine(weights, EngineConfig(**OPTIONS, executable_store=store))
-    assert warm.samplers.loaded_from_store == 1
+    assert warm.samplers.loaded_from_store == 2
     assert samples(warm) == samples(cold)
 
     class Broken:

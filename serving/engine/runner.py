@@ -97,7 +97,8 @@ class StepRunner:
                 padded = np.full((rows, bitmask.shape[1]), -1, np.int32)
                 padded[:len(bitmask)] = bitmask
                 placed = transfers.place_replicated(padded, self.weights)
-            packed = self.samplers(launched.logits, launched.sequences, placed)
+            packed = self.samplers(launched.logits, launched.sequences, placed,
+                                   greedy=not needs_sampler(launched.scheduled.batch))
         launched.packed, launched.host_copy = packed, transfers.start_host_copy(packed)
         launched.logits = launched.sequences = None
 

@@ -14,13 +14,14 @@ step reads it as it would the step's own.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 
 import jax
 import numpy as np
 
 from shiftjax.batch import StepBatch
-from shiftjax.sampling import pack_samples
+from shiftjax.sampling import pack_greedy, pack_samples
 from shiftjax.serving.engine.batch_upload import abstract_upload, unpack_sequences
 from shiftjax.serving.engine.buckets import BucketLadder
 from shiftjax.serving.engine.compile import JaxCompileEvents
@@ -45,11 +46,20 @@ def sample_rows(logits, sequences, bitmask, *, max_top_logprobs: int, result_row
     return pad_result(packed, result_rows)
 
 
-class Samplers:
-    """Compiled :func:`sample_rows` per sequence bucket."""
+def greedy_rows(logits, sequences, bitmask, *, max_top_logprobs: int, result_rows: int):
+    """:func:`sample_rows` of a step whose rows are all greedy and want no alternatives (a
+    step sampled here only for its grammar masks): an argmax within ``bitmask``, without
+    the filters' sort over the vocabulary (0.6 ms of a 64-row step, 128k vocabulary, H200)."""
+    del sequences  # the same arguments as sample_rows: one caller, one signature
+    return pad_result(pack_greedy(logits, max_top_logprobs, bitmask), result_rows)
 
-    def __init__(self, compiled: dict[int, object], allow_all: dict[int, jax.Array], loaded_from_store: int = 0):
-        self.compiled = compiled
+
+class Samplers:
+    """Compiled :func:`sample_rows` and :func:`greedy_rows` per sequence bucket."""
+
+    def __init__(self, compiled: dict[tuple[str, int], object], allow_all: dict[int, jax.Array],
+                 loaded_from_store: int = 0):
+        self.compiled = compiled  # ("sample" | "greedy", seqs) -> executable
         self.allow_all = allow_all  # per sequence bucket, on the devices: the bitmask of no grammar
         self.loaded_from_store = loaded_from_store
 
@@ -62,33 +72,37 @@ class Samplers:
         sharding = batch_sharding(weights)
         max_pages = step_options.max_pages
         options = dict(max_top_logprobs=step_options.max_top_logprobs, result_rows=ladder.result_rows)
-        sample = jax.jit(functools.partial(sample_rows, **options))
+        functions = {"sample": jax.jit(functools.partial(sample_rows, **options)),
+                     "greedy": jax.jit(functools.partial(greedy_rows, **options))}
         devices = list(weights.mesh.devices.flat)
         vocab = weights.config.vocab_size
         compiled, loaded = {}, 0
         with JaxCompileEvents() as events:
-            for seqs in ladder.seq_buckets:
+            for (kind, function), seqs in itertools.product(functions.items(), ladder.seq_buckets):
                 logits = jax.ShapeDtypeStruct((seqs, vocab), np.float32, sharding=sharding)
                 sequences = abstract_upload(1, seqs, max_pages, sharding).sequences
                 bitmask = jax.ShapeDtypeStruct((seqs, mask_words(vocab)), np.int32, sharding=sharding)
                 key = None if store is None else sampler_key(weights, seqs=seqs, max_pages=max_pages,
-                                                             grammar_bitmask=True, **options)
+                                                             grammar_bitmask=True, kind=kind, **options)
                 executable = None if store is None else store.load(key, devices, report)
                 if executable is not None and _runs(executable, (logits, sequences, bitmask), weights, report):
-                    compiled[seqs], loaded = executable, loaded + 1
+                    compiled[kind, seqs], loaded = executable, loaded + 1
                     continue
                 hits = events.cache_hits
-                compiled[seqs] = sample.lower(logits, sequences, bitmask).compile()
+                compiled[kind, seqs] = function.lower(logits, sequences, bitmask).compile()
                 if store is not None and events.cache_hits == hits:  # only fresh compiles (executable_store.py)
-                    store.save_reporting(key, compiled[seqs], report)
+                    store.save_reporting(key, compiled[kind, seqs], report)
         allow = {seqs: place_replicated(allow_all(seqs, vocab), weights) for seqs in ladder.seq_buckets}
         return cls(compiled, allow, loaded)
 
-    def __call__(self, logits: jax.Array, sequences: jax.Array, bitmask: jax.Array | None = None) -> jax.Array:
+    def __call__(self, logits: jax.Array, sequences: jax.Array, bitmask: jax.Array | None = None, *,
+                 greedy: bool = False) -> jax.Array:
         """The packed samples of a step from its logits and its upload's ``sequences``, within
-        ``bitmask`` (placed, ``[seqs, words]``; None allows every token)."""
+        ``bitmask`` (placed, ``[seqs, words]``; None allows every token). ``greedy``: every
+        row is greedy and wants no alternatives (:func:`greedy_rows`)."""
         seqs = logits.shape[0]
-        return self.compiled[seqs](logits, sequences, self.allow_all[seqs] if bitmask is None else bitmask)
+        executable = self.compiled["greedy" if greedy else "sample", seqs]
+        return executable(logits, sequences, self.allow_all[seqs] if bitmask is None else bitmask)
 
 
 def _runs(executable, arguments, weights: ModelWeights, report) -> bool:
