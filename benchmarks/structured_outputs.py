@@ -86,8 +86,9 @@ def timed_run(engine, prompts, params_list, async_scheduling: bool) -> dict:
         t = times[id(r)]
         if len(t) > 2:
             tpots[getattr(r.params, "structured_outputs", None) is not None].append((t[-1] - t[1]) / (len(t) - 2))
-    # (getattr: the tree before structured outputs has no mask counters)
-    fills = getattr(after, "mask_fills", 0) - getattr(before, "mask_fills", 0)
+    # (getattr: the tree before structured outputs has no grammar counters)
+    grammar_before, grammar_after = getattr(before, "grammar", None), getattr(after, "grammar", None)
+    fills = grammar_after.mask_fills - grammar_before.mask_fills if grammar_after else 0
     tpot = {f"{kind}_tpot_ms_{stat}": 1e3 * f(tpots[constrained])
             for kind, constrained in (("constrained", True), ("unconstrained", False)) if tpots[constrained]
             for stat, f in (("p50", statistics.median), ("mean", statistics.fmean))}
@@ -96,8 +97,9 @@ def timed_run(engine, prompts, params_list, async_scheduling: bool) -> dict:
         "seconds": time.perf_counter() - started, **tpot,
         "output_tokens": sum(len(r.output_ids) for r in requests),
         "finish_reasons": sorted({r.finish_reason for r in requests}),
-        "mask_fills": fills, "masked_rows": getattr(after, "masked_rows", 0) - getattr(before, "masked_rows", 0),
-        "mask_ms_per_fill": 1e3 * (after.mask_seconds - before.mask_seconds) / fills if fills else 0.0,
+        "mask_fills": fills,
+        "masked_rows": grammar_after.masked_rows - grammar_before.masked_rows if grammar_after else 0,
+        "mask_ms_per_fill": 1e3 * (grammar_after.mask_seconds - grammar_before.mask_seconds) / fills if fills else 0.0,
     }
 
 

@@ -134,6 +134,27 @@ def test_prefix_cache_counters_and_pages_are_read_from_stats_at_every_scrape():
     assert "# TYPE shiftjax_prefix_cache_pages gauge" in text
 
 
+def test_structured_output_counters_are_read_from_stats_at_every_scrape():
+    from shiftjax.serving.engine.stats import GrammarCounters
+
+    current = {"stats": stats(grammar=GrammarCounters(mask_fills=10, masked_rows=64, mask_seconds=0.012,
+                                                      compiles=3, cache_hits=5, compile_seconds=0.004))}
+    m = Metrics(stats=lambda: current["stats"])
+    s = samples(m)
+    assert s[("shiftjax_structured_output_mask_fills_total", ())] == 10
+    assert s[("shiftjax_structured_output_masked_rows_total", ())] == 64
+    assert s[("shiftjax_structured_output_mask_seconds_total", ())] == 0.012
+    assert s[("shiftjax_structured_output_grammars_compiled_total", ())] == 3
+    assert s[("shiftjax_structured_output_grammar_cache_hits_total", ())] == 5
+    current["stats"] = stats(grammar=GrammarCounters(mask_fills=11, compiles=4))
+    s = samples(m)
+    assert (s[("shiftjax_structured_output_mask_fills_total", ())],
+            s[("shiftjax_structured_output_grammars_compiled_total", ())]) == (11, 4)
+    # replicas' counters add up (--dp)
+    assert GrammarCounters(mask_fills=1, mask_seconds=0.5) + GrammarCounters(mask_fills=2, compiles=1) == \
+        GrammarCounters(mask_fills=3, mask_seconds=0.5, compiles=1)
+
+
 def test_a_failing_stats_call_leaves_the_rest_of_the_scrape():
     m = Metrics(stats=lambda: 1 / 0)
     m.on_preemption()

@@ -86,8 +86,9 @@ def test_constrained_greedy_equals_masked_argmax_reference(params, expected, sp,
     got = [(r.output_ids, r.finish_reason) for r in requests]
     assert got == expected
     assert engine.scheduler.num_preemptions > 0  # the pool is tight enough to preempt
-    snapshot = engine.snapshot()
-    assert snapshot.mask_fills > 0 and snapshot.masked_rows >= sum(len(o) for o, _ in expected[:3])
+    grammar = engine.snapshot().grammar
+    assert grammar.mask_fills > 0 and grammar.masked_rows >= sum(len(o) for o, _ in expected[:3])
+    assert grammar.compiles == len(CONSTRAINTS) - 1 and grammar.mask_seconds > 0
     # the constraint that allows every token generates what no constraint does
     assert got[4] == got[3]  # the same prompt
     # what the grammars demand

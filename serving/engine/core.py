@@ -42,7 +42,7 @@ from shiftjax.serving.engine.prefix_cache import cache_key
 from shiftjax.serving.engine.runner import LaunchedStep
 from shiftjax.serving.engine.sampling_params import SamplingParams
 from shiftjax.serving.engine.scheduler import Request, SchedulerConfig
-from shiftjax.serving.engine.stats import EngineSnapshot, StepCounters
+from shiftjax.serving.engine.stats import EngineSnapshot, GrammarCounters, StepCounters
 from shiftjax.step_options import StepOptions
 from shiftjax.weights import ModelWeights
 
@@ -163,10 +163,11 @@ class Engine:
             steps_by_mode=dict(counters.steps_by_mode), tokens_by_mode=dict(counters.tokens_by_mode),
             prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
             cached_pages=allocator.num_cached, evicted_pages=allocator.num_evicted,
-            mask_seconds=counters.mask_seconds, mask_fills=counters.mask_fills, masked_rows=counters.masked_rows,
-            **({} if (compiler := self.grammar_compiler) is None else dict(
-                grammar_compiles=compiler.compiles, grammar_cache_hits=compiler.cache_hits,
-                grammar_compile_seconds=compiler.compile_seconds)))
+            grammar=GrammarCounters(
+                mask_fills=counters.mask_fills, masked_rows=counters.masked_rows, mask_seconds=counters.mask_seconds,
+                **({} if (compiler := self.grammar_compiler) is None else dict(
+                    compiles=compiler.compiles, cache_hits=compiler.cache_hits,
+                    compile_seconds=compiler.compile_seconds))))
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> Request:
         """Queues a request (``cache_salt``: it shares cached prompt pages only with requests

@@ -52,6 +52,28 @@ class StepCounters:
 
 
 @dataclasses.dataclass(frozen=True)
+class GrammarCounters:
+    """Structured outputs so far: steps whose grammar masks were filled, the rows filled and
+    the host seconds it took (``StepCounters``); grammars compiled, found compiled, and the
+    seconds compiling took (``GrammarCompiler``). Passed whole to the service, which sums
+    replicas' with ``+``."""
+
+    mask_fills: int = 0
+    masked_rows: int = 0
+    mask_seconds: float = 0.0
+    compiles: int = 0
+    cache_hits: int = 0
+    compile_seconds: float = 0.0
+
+    def __add__(self, other: "GrammarCounters") -> "GrammarCounters":
+        return GrammarCounters(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
+
+    @property
+    def mask_ms_per_fill(self) -> float:
+        return 1e3 * self.mask_seconds / self.mask_fills if self.mask_fills else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineSnapshot:
     """The engine's state when asked (never cached), copied so that a reader on another
     thread sees numbers that belong together."""
@@ -72,14 +94,7 @@ class EngineSnapshot:
     prefix_cache_hits: int = 0
     cached_pages: int = 0
     evicted_pages: int = 0
-    # structured outputs (StepCounters), and the grammar compiler's compiles, cache hits
-    # and compile time
-    mask_seconds: float = 0.0
-    mask_fills: int = 0
-    masked_rows: int = 0
-    grammar_compiles: int = 0
-    grammar_cache_hits: int = 0
-    grammar_compile_seconds: float = 0.0
+    grammar: GrammarCounters = GrammarCounters()
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -73,7 +73,13 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from shiftjax.serving.engine.errors import InvalidRequest, Overloaded, Unavailable
 from shiftjax.serving.server.protocol import Delta, GenerationRequest, ServiceStats
 from shiftjax.serving.server.request_ids import checked_request_id, new_request_id
-from shiftjax.serving.server.service_info import prefix_cache_info
+from shiftjax.serving.server.service_info import (
+    max_by_key,
+    prefix_cache_info,
+    replica_errors,
+    structured_outputs_info,
+    summed_stats,
+)
 from shiftjax.serving.server.validation import checked_cache_salt
 
 
@@ -196,7 +202,7 @@ class DataParallelService:
         raised them."""
         if self._draining:
             raise Unavailable("the server is shutting down and takes no new requests")
-        if error := _replica_errors(r.stats() for r in self.replicas):  # a replica gave up on its devices
+        if error := replica_errors(r.stats() for r in self.replicas):  # a replica gave up on its devices
             raise Unavailable(error)
         if not self.ready:
             raise Unavailable("the engines are still starting (compiling their executables); retry shortly")
@@ -256,17 +262,7 @@ class DataParallelService:
         return self._summed([r.stats() for r in self.replicas])
 
     def _summed(self, each: list[ServiceStats]) -> ServiceStats:
-        return ServiceStats(
-            running=sum(s.running for s in each), waiting=sum(s.waiting for s in each),
-            num_pages=sum(s.num_pages for s in each), free_pages=sum(s.free_pages for s in each),
-            steps=sum(s.steps for s in each), switches=sum(s.switches for s in each),
-            preemptions=sum(s.preemptions for s in each),
-            tokens_by_mode=_sum_counts(s.tokens_by_mode for s in each),
-            steps_by_mode=_sum_counts(s.steps_by_mode for s in each),
-            ready=all(s.ready for s in each), draining=self._draining or any(s.draining for s in each),
-            error=_replica_errors(each), prefix_cache_queries=sum(s.prefix_cache_queries for s in each),
-            prefix_cache_hits=sum(s.prefix_cache_hits for s in each),
-            cached_pages=sum(s.cached_pages for s in each), evicted_pages=sum(s.evicted_pages for s in each))
+        return summed_stats(each, draining=self._draining)
 
     def step_trace(self) -> list[dict]:
         """Every replica's last steps (``AsyncEngineService.step_trace``), each tagged with
@@ -289,7 +285,7 @@ class DataParallelService:
         info["model"] = self.model_name
         info["ready"] = all(s.ready for s in each_stats)
         info.pop("error", None)  # replica 0's alone; the replicas' errors, each named:
-        if error := _replica_errors(each_stats):
+        if error := replica_errors(each_stats):
             info["error"] = error
         mesh = dict(info.get("mesh", {}))
         mesh.update(dp=len(self.replicas), devices=sum(int(i.get("mesh", {}).get("devices", 1)) for i in each_info))
@@ -309,10 +305,11 @@ class DataParallelService:
                 "compile_seconds_summed": sum(float(s.get("compile_seconds_summed") or 0.0) for s in startups),
                 "loaded_from_store": sum(s.get("loaded_from_store", 0) for s in startups),
                 # the replicas start at once: each phase took as long as its slowest replica's
-                "phase_seconds": _max_by_key(s.get("phase_seconds", {}) for s in startups)}
-        if "prefix_cache" in info:  # each replica's own cache: the counts summed
-            info["prefix_cache"] = prefix_cache_info(info["prefix_cache"].get("enabled", False),
-                                                     self._summed(each_stats))
+                "phase_seconds": max_by_key(s.get("phase_seconds", {}) for s in startups)}
+        if "prefix_cache" in info:  # each replica's own cache and grammars: the counts summed
+            summed = self._summed(each_stats)
+            info["prefix_cache"] = prefix_cache_info(info["prefix_cache"].get("enabled", False), summed)
+            info["structured_outputs"] = structured_outputs_info(summed)
         info["routing"] = ("fewest queued tokens (prompt tokens not yet prefilled + max_tokens not yet streamed), "
                            "less the request's prompt tokens the replica's prefix cache holds")
         info["replicas"] = [
@@ -355,28 +352,6 @@ class _RoutedStream:
             self._closed = True
             self._service._forget(self._request_id)
             await self._stream.aclose()
-
-
-def _replica_errors(each_stats) -> str | None:
-    """Why replicas stopped being ready (``ServiceStats.error``), each named, or None."""
-    return "; ".join(f"replica {i}: {s.error}" for i, s in enumerate(each_stats) if s.error) or None
-
-
-def _sum_counts(dicts) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for counts in dicts:
-        for key, value in counts.items():
-            total[key] = total.get(key, 0) + value
-    return total
-
-
-def _max_by_key(dicts) -> dict[str, float]:
-    largest: dict[str, float] = {}
-    for values in dicts:
-        for key, value in values.items():
-            largest[key] = max(largest.get(key, value), value)
-    return largest
-
 
 
 class StartupSummer:

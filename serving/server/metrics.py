@@ -3,8 +3,9 @@
 Each ``Metrics`` owns its own ``CollectorRegistry`` (no process-global state, so two
 servers or two tests in one process never share counts). Latencies and counters are
 pushed by the engine thread through the observer hooks; the live gauges (running and
-waiting requests, KV pages) and the prefix cache's counters (tokens looked up and found,
-pages evicted: the engine counts them) are read from ``service.stats()`` at scrape time by
+waiting requests, KV pages), the prefix cache's counters (tokens looked up and found,
+pages evicted) and structured outputs' (grammars compiled, masks filled and their host
+time: the engine counts them all) are read from ``service.stats()`` at scrape time by
 a custom collector, never stored, so they cannot go stale.
 
 Which hook feeds which metric (so that nothing is counted twice):
@@ -189,6 +190,21 @@ class _ServiceStatsCollector(Collector):
                                 value=stats.cached_pages)
         yield CounterMetricFamily(f"{PREFIX}_prefix_cache_evicted_pages",
                                   "Cached KV pages evicted to make room for new ones.", value=stats.evicted_pages)
+        grammar = stats.grammar
+        yield CounterMetricFamily(f"{PREFIX}_structured_output_grammars_compiled",
+                                  "Structured-output grammars compiled (a distinct constraint not cached).",
+                                  value=grammar.compiles)
+        yield CounterMetricFamily(f"{PREFIX}_structured_output_grammar_cache_hits",
+                                  "Structured-output grammars found compiled.", value=grammar.cache_hits)
+        yield CounterMetricFamily(f"{PREFIX}_structured_output_compile_seconds",
+                                  "Seconds compiling structured-output grammars.", value=grammar.compile_seconds)
+        yield CounterMetricFamily(f"{PREFIX}_structured_output_mask_fills",
+                                  "Steps whose grammar masks the host filled (one per step with a constrained row).",
+                                  value=grammar.mask_fills)
+        yield CounterMetricFamily(f"{PREFIX}_structured_output_masked_rows",
+                                  "Constrained rows whose grammar mask the host filled.", value=grammar.masked_rows)
+        yield CounterMetricFamily(f"{PREFIX}_structured_output_mask_seconds",
+                                  "Host seconds filling grammar masks.", value=grammar.mask_seconds)
 
 
 def start_metrics_server(metrics: Metrics, port: int, host: str = "127.0.0.1"):

@@ -6,7 +6,7 @@ import collections
 import dataclasses
 import threading
 
-from shiftjax.serving.engine.stats import EngineDescription, EngineSnapshot
+from shiftjax.serving.engine.stats import EngineDescription, EngineSnapshot, GrammarCounters
 from shiftjax.serving.server.protocol import ServiceStats
 
 
@@ -38,7 +38,18 @@ def service_info(engine: EngineDescription, model_name: str, stats: ServiceStats
                    "max_num_batched_tokens": limits.max_num_batched_tokens, "max_queue": limits.max_queue,
                    "max_top_logprobs": limits.max_top_logprobs},
         "prefix_cache": prefix_cache_info(limits.enable_prefix_caching, stats),
+        "structured_outputs": structured_outputs_info(stats),
     }
+
+
+def structured_outputs_info(stats: ServiceStats) -> dict:
+    """The grammar library, and what structured outputs have cost: grammars compiled and
+    found compiled, compile seconds, and the host time filling masks (per fill: one per
+    step with a constrained row)."""
+    grammar = stats.grammar
+    return {"backend": "llguidance", "grammars_compiled": grammar.compiles, "grammar_cache_hits": grammar.cache_hits,
+            "compile_seconds": grammar.compile_seconds, "mask_fills": grammar.mask_fills,
+            "masked_rows": grammar.masked_rows, "mask_ms_per_fill": grammar.mask_ms_per_fill}
 
 
 def prefix_cache_info(enabled: bool, stats: ServiceStats) -> dict:
@@ -62,7 +73,45 @@ def service_stats(engine: EngineSnapshot | None, *, inbox: int, draining: bool, 
         preemptions=engine.preemptions, tokens_by_mode=engine.tokens_by_mode,
         steps_by_mode=engine.steps_by_mode, ready=error is None, draining=draining, error=error,
         prefix_cache_queries=engine.prefix_cache_queries, prefix_cache_hits=engine.prefix_cache_hits,
-        cached_pages=engine.cached_pages, evicted_pages=engine.evicted_pages)
+        cached_pages=engine.cached_pages, evicted_pages=engine.evicted_pages, grammar=engine.grammar)
+
+
+def summed_stats(each: list[ServiceStats], *, draining: bool) -> ServiceStats:
+    """Replicas' stats summed (steps too: steps run on P devices at once); ready when every
+    replica is, draining when any is (or ``draining``); the replicas' errors, each named."""
+    return ServiceStats(
+        running=sum(s.running for s in each), waiting=sum(s.waiting for s in each),
+        num_pages=sum(s.num_pages for s in each), free_pages=sum(s.free_pages for s in each),
+        steps=sum(s.steps for s in each), switches=sum(s.switches for s in each),
+        preemptions=sum(s.preemptions for s in each),
+        tokens_by_mode=_sum_counts(s.tokens_by_mode for s in each),
+        steps_by_mode=_sum_counts(s.steps_by_mode for s in each),
+        ready=all(s.ready for s in each), draining=draining or any(s.draining for s in each),
+        error=replica_errors(each), prefix_cache_queries=sum(s.prefix_cache_queries for s in each),
+        prefix_cache_hits=sum(s.prefix_cache_hits for s in each),
+        cached_pages=sum(s.cached_pages for s in each), evicted_pages=sum(s.evicted_pages for s in each),
+        grammar=sum((s.grammar for s in each), GrammarCounters()))
+
+
+def replica_errors(each_stats) -> str | None:
+    """Why replicas stopped being ready (``ServiceStats.error``), each named, or None."""
+    return "; ".join(f"replica {i}: {s.error}" for i, s in enumerate(each_stats) if s.error) or None
+
+
+def _sum_counts(dicts) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for counts in dicts:
+        for key, value in counts.items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
+def max_by_key(dicts) -> dict[str, float]:
+    largest: dict[str, float] = {}
+    for values in dicts:
+        for key, value in values.items():
+            largest[key] = max(largest.get(key, value), value)
+    return largest
 
 
 STEP_TRACE_STEPS = 20_000  # about a minute of steps at 3 ms each; a few MB of JSON at most
