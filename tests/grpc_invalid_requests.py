@@ -54,6 +54,14 @@ def aspects(vocab_size: int, max_model_len: int) -> dict[str, tuple[list[dict], 
                      [({"logprobs": True, "top_logprobs": 21}, {"top_logprobs"}),
                       ({"logprobs": True, "top_logprobs": -1}, {"top_logprobs"}),
                       ({"logprobs": False, "top_logprobs": 1}, {"top_logprobs"})]),
+        # malformed constraints only: refused before the service compiles (a fake has no compiler)
+        "structured_outputs": ([{}], [
+            ({"structured_outputs": pb.StructuredOutputs()}, {"structured_outputs"}),
+            ({"structured_outputs": pb.StructuredOutputs(json_schema="{")}, {"structured_outputs.json_schema"}),
+            ({"structured_outputs": pb.StructuredOutputs(json_object=False)}, {"structured_outputs.json_object"}),
+            ({"structured_outputs": pb.StructuredOutputs(regex="")}, {"structured_outputs.regex"}),
+            ({"structured_outputs": pb.StructuredOutputs(choice=pb.ChoiceList())}, {"structured_outputs.choice"}),
+        ]),
     }
 
 

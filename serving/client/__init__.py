@@ -1,9 +1,10 @@
-"""The gRPC clients and ``shiftjax client``. ``Client``, ``AsyncClient`` and ``Completion``
-load on first access (``grpc_client.py``), so importing this package imports no grpc."""
+"""The gRPC clients and ``shiftjax client``. ``Client``, ``AsyncClient``, ``Completion`` and
+``StructuredOutputs`` load on first access (``grpc_client.py``), so importing this package
+imports no grpc."""
 
 import importlib
 
-_LAZY = {"Client", "AsyncClient", "Completion"}
+_LAZY = {"Client", "AsyncClient", "Completion", "StructuredOutputs"}
 
 
 def __getattr__(name):

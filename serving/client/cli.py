@@ -2,7 +2,8 @@
 
 Text is printed as it streams in; a summary (finish reason, tokens and how many of the
 prompt's came from the prefix cache, time to first token, the modes the request's steps ran
-in) goes to stderr. Imports no JAX, so it starts fast.
+in) goes to stderr. ``--json-schema``, ``--json-object``, ``--regex``, ``--choice`` and
+``--grammar`` constrain the output (one of them at most). Imports no JAX, so it starts fast.
 """
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ def _parser() -> argparse.ArgumentParser:
     sampling.add_argument("--cache-salt", default=None, metavar="SALT",
                           help="share cached prompt pages only with requests of this salt (a tenant's secret)")
     sampling.add_argument("--json", action="store_true", help="print each streamed response as a JSON line")
+    constraint = sampling.add_mutually_exclusive_group()  # structured outputs: one at most
+    constraint.add_argument("--json-schema", type=_json_schema, default=None, metavar="FILE_OR_JSON",
+                            help="the output is JSON matching this schema: a file, or the schema inline ('{...}')")
+    constraint.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    constraint.add_argument("--regex", type=_non_empty, default=None, metavar="PATTERN",
+                            help="the whole output matches this regular expression (Rust regex syntax)")
+    constraint.add_argument("--choice", type=_non_empty, action="append", default=None,
+                            help="the output is one of these strings (repeatable: --choice A --choice B)")
+    constraint.add_argument("--grammar", type=_grammar_file, default=None, metavar="FILE",
+                            help="the output matches this grammar: a file of Lark or GBNF")
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("generate", parents=[connection, sampling], help="continue a prompt")
     generate.add_argument("prompt", nargs="?", default="")
@@ -46,6 +57,42 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system message before it")
     commands.add_parser("info", parents=[connection], help="model, mesh, modes, buckets, page pool, policy")
     return parser
+
+
+def _json_schema(value: str) -> str:
+    """``--json-schema``: inline JSON when it starts with '{', else a file holding it."""
+    if value.lstrip().startswith("{"):
+        text, where = value, "the inline schema"
+    else:
+        try:
+            text, where = Path(value).read_text(), f"the file {value}"
+        except OSError as error:
+            raise argparse.ArgumentTypeError(f"cannot read the schema file {value!r} ({error.strerror or error}); "
+                                             "give a file, or the schema inline as JSON starting with '{'") from None
+    try:
+        schema = json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{where} is not valid JSON ({error})") from None
+    if not isinstance(schema, (dict, bool)):
+        raise argparse.ArgumentTypeError(f"{where} is not a JSON schema: it must be an object")
+    return text
+
+
+def _non_empty(value: str) -> str:
+    if not value:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return value
+
+
+def _grammar_file(value: str) -> str:
+    try:
+        text = Path(value).read_text()
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot read the grammar file {value!r} "
+                                         f"({error.strerror or error})") from None
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"the grammar file {value!r} is empty")
+    return text
 
 
 def _client(args):
@@ -61,6 +108,12 @@ def _sampling_fields(args) -> dict:
               if getattr(args, name) is not None}
     if args.cache_salt is not None:
         fields["cache_salt"] = args.cache_salt
+    constraint = {name: getattr(args, name) for name in ("json_schema", "json_object", "regex", "choice", "grammar")
+                  if getattr(args, name) not in (None, False)}
+    if constraint:
+        from shiftjax.serving.client.grpc_client import StructuredOutputs
+
+        fields["structured_outputs"] = StructuredOutputs(**constraint)
     return fields | {"stop": args.stop, "stop_token_ids": args.stop_token_ids, "ignore_eos": args.ignore_eos}
 
 

@@ -7,13 +7,15 @@ messages as the server produces them; ``complete`` collects one stream into a
 ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``, ``stop_token_ids``,
 ``ignore_eos``, ``logprobs``, ``top_logprobs``), and ``cache_salt``: the request shares
 cached prompt pages only with requests of the same salt (``usage.cached_prompt_tokens`` says
-how many prompt tokens were found cached). Errors are ``grpc.RpcError`` with the server's
-status code and message.
+how many prompt tokens were found cached). ``structured_outputs`` constrains the output
+(:class:`StructuredOutputs`: a JSON schema, any JSON object, a regex, a choice or a grammar).
+Errors are ``grpc.RpcError`` with the server's status code and message.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 
@@ -49,12 +51,53 @@ class Completion:
             self.usage = response.usage
 
 
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputs:
+    """What the output must match, exactly one of: ``json_schema``, a JSON schema (a dict, or
+    its JSON text); ``json_object``, any JSON object; ``regex``, a regular
+    expression the whole output matches (Rust ``regex`` syntax); ``choice``, one of these
+    strings; ``grammar``, a Lark grammar or llama.cpp's GBNF (its text). The server says
+    whether it compiles (INVALID_ARGUMENT naming ``structured_outputs.<field>``)."""
+
+    json_schema: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        given = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured outputs: give exactly one of json_schema, json_object, regex, choice, "
+                             f"grammar; got {', '.join(given) or 'none'}")
+        if isinstance(self.choice, str):  # a lone string would be read as its characters
+            raise ValueError("structured outputs: choice must be a list of strings, not one string")
+
+    def to_proto(self) -> pb.StructuredOutputs:
+        if self.json_schema is not None:
+            schema = self.json_schema
+            return pb.StructuredOutputs(json_schema=schema if isinstance(schema, str) else json.dumps(schema))
+        if self.json_object:
+            return pb.StructuredOutputs(json_object=True)
+        if self.choice is not None:
+            return pb.StructuredOutputs(choice=pb.ChoiceList(choices=list(self.choice)))
+        if self.regex is not None:
+            return pb.StructuredOutputs(regex=self.regex)
+        return pb.StructuredOutputs(grammar=self.grammar)
+
+
 def generate_request(prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
-                     messages: Sequence[dict] | None = None, **sampling) -> pb.GenerateRequest:
+                     messages: Sequence[dict] | None = None,
+                     structured_outputs: StructuredOutputs | pb.StructuredOutputs | None = None,
+                     **sampling) -> pb.GenerateRequest:
     """A ``GenerateRequest`` from one of a text prompt, token ids or chat messages
-    (``[{"role": "user", "content": "..."}]``) and sampling fields."""
+    (``[{"role": "user", "content": "..."}]``), sampling fields and an optional constraint
+    (:class:`StructuredOutputs`, or the proto message itself)."""
     chat = [pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()]
-    return pb.GenerateRequest(prompt=prompt or "", prompt_ids=list(prompt_ids or ()), messages=chat, **sampling)
+    if isinstance(structured_outputs, StructuredOutputs):
+        structured_outputs = structured_outputs.to_proto()
+    return pb.GenerateRequest(prompt=prompt or "", prompt_ids=list(prompt_ids or ()), messages=chat,
+                              structured_outputs=structured_outputs, **sampling)
 
 
 def _channel_args(server: str, tls: bool, root_certificates: bytes | None, server_name: str | None):

@@ -6,6 +6,7 @@ the server answers ``INVALID_ARGUMENT`` with a message that says what to change.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -14,6 +15,7 @@ from google.protobuf import descriptor_pb2, unknown_fields
 
 from shiftjax.serving.engine.errors import InvalidRequest
 from shiftjax.serving.engine.sampling_params import SamplingParams
+from shiftjax.serving.engine.structured_outputs import StructuredOutputs
 from shiftjax.serving.proto.shiftjax.v1 import inference_pb2 as pb
 from shiftjax.serving.server import validation
 from shiftjax.serving.server.protocol import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Delta, GenerationRequest,
@@ -27,6 +29,11 @@ FINISH_REASON = {FINISH_STOP: pb.FINISH_REASON_STOP, FINISH_LENGTH: pb.FINISH_RE
 # Sampling fields declared `optional`: absent means the SamplingParams default.
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
 _PROMPT_FIELDS = ("prompt", "prompt_ids", "messages")
+# StructuredOutputs' oneof field -> the engine's kind, and the engine's field names back
+_CONSTRAINT_KINDS = {"json_schema": "json", "json_object": "json_object", "regex": "regex", "choice": "choice",
+                     "grammar": "grammar"}
+_PROTO_FIELD_OF = {f"structured_outputs.{kind}": f"structured_outputs.{name}"
+                   for name, kind in _CONSTRAINT_KINDS.items()}
 
 
 def sampling_params_from(request: pb.GenerateRequest) -> SamplingParams:
@@ -35,7 +42,56 @@ def sampling_params_from(request: pb.GenerateRequest) -> SamplingParams:
     given = {name: getattr(request, name) for name in _OPTIONAL_SAMPLING_FIELDS if request.HasField(name)}
     return validation.sampling_params(**given, stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids),
                                       ignore_eos=request.ignore_eos, logprobs=request.logprobs,
-                                      top_logprobs=request.top_logprobs)
+                                      top_logprobs=request.top_logprobs,
+                                      structured_outputs=structured_outputs_from(request))
+
+
+def structured_outputs_from(request: pb.GenerateRequest) -> StructuredOutputs | None:
+    """The engine's constraint for ``request.structured_outputs`` (None when absent). A oneof
+    member has presence, so an empty string or ``json_object: false`` is a member set, and
+    refused by name rather than read as no constraint."""
+    if not request.HasField("structured_outputs"):
+        return None
+    message = request.structured_outputs
+    kind = message.WhichOneof("constraint")
+    if kind is None:
+        raise InvalidRequest("structured_outputs", f"sets no constraint; set exactly one of "
+                                                   f"{', '.join(_CONSTRAINT_KINDS)}, or leave structured_outputs out")
+    if kind == "json_object" and not message.json_object:
+        raise InvalidRequest("structured_outputs.json_object", "must be true when set; for free text leave "
+                                                               "structured_outputs out")
+    value = getattr(message, kind)
+    if kind == "choice":  # said here in the proto's words: the engine's would speak of a tuple
+        value = tuple(value.choices)
+        if not value:
+            raise InvalidRequest("structured_outputs.choice", "has no choices; give at least one string")
+        if "" in value:
+            raise InvalidRequest("structured_outputs.choice", f"choice {value.index('')} is empty; every "
+                                                              "choice must be a non-empty string")
+    with proto_field_names():
+        return StructuredOutputs(**{_CONSTRAINT_KINDS[kind]: value})
+
+
+@contextlib.contextmanager
+def proto_field_names():
+    """Renames an :class:`InvalidRequest` raised inside it from the engine's spelling of a
+    constraint's field (``structured_outputs.json``) to inference.proto's
+    (``structured_outputs.json_schema``)."""
+    try:
+        yield
+    except InvalidRequest as error:
+        if error.field not in _PROTO_FIELD_OF:
+            raise
+        raise InvalidRequest(_PROTO_FIELD_OF[error.field], str(error).removeprefix(f"{error.field}: ")) from None
+
+
+def check_structured_outputs(service, params: SamplingParams) -> None:
+    """Has ``service`` compile ``params``' constraint, if any (CPU work, for a pool thread,
+    before ``submit``): one that does not compile is :class:`InvalidRequest` naming the
+    proto's field."""
+    if params.structured_outputs is not None:
+        with proto_field_names():
+            service.check_structured_outputs(params)
 
 
 def messages_from(messages) -> list[dict[str, str]]:
@@ -73,17 +129,20 @@ def prompt_ids_from(request: pb.GenerateRequest, tokenizer) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def refuse_mistyped_fields(message) -> None:
+def refuse_mistyped_fields(message, prefix: str = "") -> None:
     """A declared field sent with another wire type (say a number where ``cache_salt``, a
     string, belongs) is parsed as an unknown field and would be dropped unseen: refused
-    instead, naming it."""
+    instead, naming it (``prefix`` and its path, in the messages it nests that are set)."""
     declared = message.DESCRIPTOR.fields_by_number
     for unknown in unknown_fields.UnknownFieldSet(message):
         field = declared.get(unknown.field_number)
         if field is not None:
             kind = descriptor_pb2.FieldDescriptorProto.Type.Name(field.type).removeprefix("TYPE_").lower()
-            raise InvalidRequest(field.name, f"must be a {kind} (inference.proto); it was sent as protobuf "
-                                             f"wire type {unknown.wire_type}")
+            raise InvalidRequest(prefix + field.name, f"must be a {kind} (inference.proto); it was sent as "
+                                                      f"protobuf wire type {unknown.wire_type}")
+    for field, value in message.ListFields():
+        if field.message_type is not None and not field.is_repeated:
+            refuse_mistyped_fields(value, f"{prefix}{field.name}.")
 
 
 def deadline_from(time_remaining: float | None) -> float | None:

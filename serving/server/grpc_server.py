@@ -13,6 +13,10 @@ RESOURCE_EXHAUSTED before a byte is parsed, bytes that are no request message ar
 INVALID_ARGUMENT (:class:`UndecodableRequestInterceptor`), tokenizing runs on a
 :class:`TokenizePool` thread, and a client's ``request_id`` labels its own call only (the
 service keys every request by an id of its own), so no client can take another's.
+
+A request's structured-output constraint (issue 29) is compiled on that same pool thread,
+before ``submit``: one that does not compile is INVALID_ARGUMENT naming the proto's field
+(``structured_outputs.regex``), and the engine thread finds the others compiled.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         try:
             service = self._ready_service()
             label = messages.client_request_id(request)  # the client's own; the service's id is its key
-            generation = await self.pool.run(messages.generation_request_from, request, service.tokenizer, deadline)
+            generation = await self.pool.run(_generation_request, service, request, deadline)
             stream = service.submit(generation)
         except Exception as error:  # refused before anything streamed
             await _abort(context, error)
@@ -121,6 +125,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if self.service is None:  # tokenization needs no engine, but the tokenizer comes with it
             raise Unavailable("the server is starting; retry shortly")
         return self.service.tokenizer
+
+
+def _generation_request(service, request: pb.GenerateRequest, deadline: float | None):
+    """The service's request for ``request``, tokenized and its structured-output constraint
+    compiled (the service caches it for the engine thread): CPU work, for one pool job."""
+    generation = messages.generation_request_from(request, service.tokenizer, deadline)
+    messages.check_structured_outputs(service, generation.params)
+    return generation
 
 
 def _tokenize(tokenizer, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
