@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,6 +65,14 @@ def _parse_generate(argv: list[str]) -> argparse.Namespace:
     sampling.add_argument("--seed", type=int, default=0)
     sampling.add_argument("--stop", action="append", default=[], metavar="TEXT",
                           help="end the output where TEXT first appears, not returned (repeatable)")
+    structured = sampling.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", metavar="SCHEMA_OR_FILE",
+                            help="the output is JSON valid under this schema (inline JSON, or a file)")
+    structured.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    structured.add_argument("--regex", help="the output matches this regular expression in full")
+    structured.add_argument("--choice", action="append", metavar="TEXT",
+                            help="the output is one of these strings (repeatable)")
+    structured.add_argument("--grammar", metavar="FILE", help="the output follows this Lark or GBNF grammar")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
     add_engine_arguments(parser)
@@ -71,6 +80,31 @@ def _parse_generate(argv: list[str]) -> argparse.Namespace:
     if not args.prompts and not args.prompt_ids:
         parser.error("give at least one PROMPT or --prompt-ids")
     return args
+
+
+def _structured_outputs(args: argparse.Namespace):
+    """The constraint the flags ask for, or None (ValueError for a schema or grammar file
+    that cannot be read)."""
+    from shiftjax.serving.engine.structured_outputs import StructuredOutputs
+
+    if args.json_schema is not None:
+        text = args.json_schema
+        if not text.lstrip().startswith(("{", "true", "false")):
+            text = _read(text, "--json-schema")
+        return StructuredOutputs(json=text)
+    if args.grammar is not None:
+        return StructuredOutputs(grammar=_read(args.grammar, "--grammar"))
+    if args.json_object or args.regex is not None or args.choice:
+        return StructuredOutputs(json_object=args.json_object, regex=args.regex,
+                                 choice=tuple(args.choice) if args.choice else None)
+    return None
+
+
+def _read(path: str, flag: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as error:
+        raise ValueError(f"{flag}: cannot read {path!r} ({error.strerror})") from None
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -94,7 +128,7 @@ def generate_main(argv: list[str]) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
-                                stop=tuple(args.stop))
+                                stop=tuple(args.stop), structured_outputs=_structured_outputs(args))
         prompts = list(args.prompts) + [_parse_ids(t) for t in args.prompt_ids]
         start = time.perf_counter()
         llm = build_llm(args)

@@ -42,11 +42,26 @@ def test_sp2_tp2_alternate_gives_the_single_device_tokens():
     (["--top-p", "0", "hi"], "top_p"),
     (["--model", "/nonexistent/model", "hi"], "/nonexistent/model"),
     (["--prompt-ids", "1,x,3"], "comma-separated integers"),
+    (["--regex", "[0-9", "hi"], "structured_outputs.regex: does not compile"),
+    (["--json-schema", "/nonexistent/schema.json", "hi"], "--json-schema: cannot read"),
 ])
 def test_bad_input_is_one_clear_sentence(args, message):
     result = shiftjax("generate", "--cpu-devices", "1", *args)
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_structured_output_flags_constrain_the_output(tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+                                  "additionalProperties": False}))
+    small = [a if a != "12" else "24" for a in SMALL]
+    [number, record] = completions(shiftjax("generate", *small, "--cpu-devices", "1", "--regex", "[0-9]{3}-[0-9]{4}",
+                                            "--chat", "Give me a phone number"))[:1] + \
+        completions(shiftjax("generate", *small, "--cpu-devices", "1", "--json-schema", str(schema), "--chat",
+                             "A number as JSON"))
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", number["text"]) and number["finish_reason"] == "stop"
+    assert record["finish_reason"] == "stop" and set(json.loads(record["text"])) == {"n"}
 
 
 def compile_report(stderr: str, *, store: bool = False) -> tuple[int, ...]:
