@@ -43,6 +43,25 @@ def test_grpc_backend_against_the_grpc_server():
     assert result["server_info"]["model"] == "fake"
 
 
+def test_grpc_backend_sends_the_json_schema_with_every_request():
+    from grpc_harness import FakeEngineService, ServerThread
+
+    class Checking(FakeEngineService):
+        def check_structured_outputs(self, params) -> None:
+            self.checked = getattr(self, "checked", 0) + 1
+
+    service = Checking(VocabOnly(), step_seconds=0.002)
+    thread = ServerThread(service)
+    schema = '{"type": "object", "properties": {"text": {"type": "string"}}}'
+    try:
+        result = bench(thread.address, "grpc", 1000, num_prompts=4, input_len=8, output_len=3, json_schema=schema)
+    finally:
+        thread.stop()
+    assert (result["summary"]["completed"], result["summary"]["failed"]) == (4, 0)
+    assert [r.params.structured_outputs.json for r in service.submitted] == [schema] * 4
+    assert service.checked == 4 and result["config"]["json_schema"] == schema
+
+
 @pytest.fixture
 def http_server():
     """The FastAPI app over the HTTP tests' FakeService, served by uvicorn in a thread."""

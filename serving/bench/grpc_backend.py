@@ -26,9 +26,11 @@ class GrpcBackend:
 
     name = "grpc"
 
-    def __init__(self, server: str, *, api_key: str | None = None, cache_salt: str | None = None):
+    def __init__(self, server: str, *, api_key: str | None = None, cache_salt: str | None = None,
+                 json_schema: str | None = None):
         self.server = server
         self.cache_salt = cache_salt or ""
+        self.json_schema = json_schema
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._channel: grpc.aio.Channel | None = None
         self._stub: inference_pb2_grpc.InferenceServiceStub | None = None
@@ -58,6 +60,8 @@ class GrpcBackend:
             prompt_ids=prompt_ids, max_tokens=record.output_len, ignore_eos=True, temperature=0.0,
             cache_salt=self.cache_salt,
         )
+        if self.json_schema is not None:
+            request.structured_outputs.json_schema = self.json_schema
         timer = StreamClock(record, clock)
         usage = None
         output_ids = []

@@ -28,8 +28,9 @@ class OpenAIBackend:
     name = "openai"
 
     def __init__(self, server: str, *, model: str | None = None, api_key: str | None = None,
-                 endpoint: str = "/v1/completions", cache_salt: str | None = None):
+                 endpoint: str = "/v1/completions", cache_salt: str | None = None, json_schema: str | None = None):
         self.cache_salt = cache_salt
+        self.json_schema = json_schema
         self.base_url = server if server.startswith(("http://", "https://")) else f"http://{server}"
         self.model = model
         self.endpoint = endpoint
@@ -81,6 +82,9 @@ class OpenAIBackend:
         }
         if self.cache_salt:
             payload["cache_salt"] = self.cache_salt
+        if self.json_schema is not None:
+            payload["response_format"] = {"type": "json_schema",
+                                          "json_schema": {"name": "bench", "schema": json.loads(self.json_schema)}}
         if keep_output_ids:
             payload["return_token_ids"] = True
         timer = StreamClock(record, clock)

@@ -14,6 +14,7 @@ import datetime
 import math
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -52,6 +53,7 @@ class ServeBenchConfig:
     turns: int = 4
     turn_len: int = 128  # multi-turn: tokens of each new user message
     cache_salt: str | None = None  # sent with every request: the server shares cached pages within a salt only
+    json_schema: str | None = None  # sent with every request: its output is JSON valid under this schema
     request_rate: float = math.inf
     burstiness: float = 1.0
     max_concurrency: int | None = None
@@ -155,10 +157,11 @@ def make_backend(config: ServeBenchConfig):
     if config.backend == "openai":
         from shiftjax.serving.bench.openai_backend import OpenAIBackend
 
-        return OpenAIBackend(config.server, model=config.model, api_key=api_key, cache_salt=config.cache_salt)
+        return OpenAIBackend(config.server, model=config.model, api_key=api_key, cache_salt=config.cache_salt,
+                             json_schema=config.json_schema)
     from shiftjax.serving.bench.grpc_backend import GrpcBackend
 
-    return GrpcBackend(config.server, api_key=api_key, cache_salt=config.cache_salt)
+    return GrpcBackend(config.server, api_key=api_key, cache_salt=config.cache_salt, json_schema=config.json_schema)
 
 
 async def run_serve_bench(config: ServeBenchConfig, workload: Workload | None = None) -> dict:
@@ -270,6 +273,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turn-len", type=int, default=128, help="multi-turn: tokens of each new user message")
     parser.add_argument("--cache-salt", default=None,
                         help="sent with every request: the server shares cached prompt pages within one salt only")
+    parser.add_argument("--json-schema", default=None, metavar="SCHEMA_OR_FILE",
+                        help="sent with every request (structured outputs): inline JSON or a file")
     parser.add_argument("--request-rate", type=float, default=math.inf,
                         help="requests per second (inf: all at once); multi-turn: conversations per second")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson, < 1 burstier")
@@ -286,6 +291,16 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
+def _schema_text(value: str | None) -> str | None:
+    """``--json-schema``'s JSON text: the value itself when it is JSON, else the file it names."""
+    if value is None or value.lstrip().startswith("{"):
+        return value
+    try:
+        return Path(value).read_text()
+    except OSError as error:
+        raise SystemExit(f"--json-schema: cannot read {value!r} ({error.strerror})") from None
+
+
 def config_from_args(args: argparse.Namespace, server: str) -> ServeBenchConfig:
     return ServeBenchConfig(
         server=server, backend=args.backend, dataset=args.dataset, num_prompts=args.num_prompts,
@@ -294,7 +309,7 @@ def config_from_args(args: argparse.Namespace, server: str) -> ServeBenchConfig:
         max_input_len=args.max_input_len, max_output_len=args.max_output_len, block_size=args.block_size,
         cache_blocks=args.cache_blocks, prefix_len=args.prefix_len, suffix_len=args.suffix_len,
         conversations=args.conversations, turns=args.turns, turn_len=args.turn_len, cache_salt=args.cache_salt,
-        request_rate=args.request_rate,
+        json_schema=_schema_text(args.json_schema), request_rate=args.request_rate,
         burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed,
         warmup_requests=args.warmup_requests, goodput=args.goodput,
         percentiles=[float(p) for p in args.percentiles.split(",")], tokenizer=args.tokenizer,
