@@ -244,7 +244,7 @@ def test_async_scheduling_changes_no_token(engines, tp_outputs, options):
 def test_the_sampler_runs_only_for_steps_that_sample(engines, tp_outputs, sampled_requests):
     engine = engines(mode="tp")
     samplers, calls = engine.samplers, []
-    engine.runner.samplers = lambda *args: calls.append(1) or samplers(*args)
+    engine.runner.samplers = lambda *args, **options: calls.append(1) or samplers(*args, **options)
     try:
         assert [r.output_ids for r in generate(engine, PROMPTS, GREEDY)] == tp_outputs
         assert calls == []  # greedy steps take the step's own packing

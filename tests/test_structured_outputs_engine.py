@@ -175,3 +175,84 @@ def test_compiled_grammars_are_cached_and_bounded():
     assert (compiler.compiles, compiler.cache_hits) == (3, 1)
     compiler.compile(a)
     assert compiler.compiles == 4
+
+
+def test_a_deferred_sampling_that_fails_recomputes_its_requests(params, expected, monkeypatch):
+    """The sampler of a step whose masks waited fails once: advance reports it, its requests
+    recompute, and every output is still the reference's; an interrupt there leaves no
+    unsampled step in flight."""
+    engine = engine_on(params, 2, 2, mode="tp")
+    sample_deferred, calls, failing_calls = engine.runner.sample_deferred, [], [3, 6]
+
+    def failing(launched, bitmask, error):
+        calls.append(error)
+        if len(calls) in failing_calls:
+            raise error
+        return sample_deferred(launched, bitmask)
+
+    monkeypatch.setattr(engine.runner, "sample_deferred",
+                        lambda launched, bitmask: failing(launched, bitmask, RuntimeError("injected")))
+    requests = [engine.add_request(p, params_for(c)) for p, c in zip(prompts(), CONSTRAINTS)]
+    failures = []
+    while not all(r.finished for r in requests):
+        turn = engine.advance()
+        failures += turn.failed
+    assert len(failures) == 2 and all(isinstance(f.__cause__, RuntimeError) for f in failures)
+    assert [(r.output_ids, r.finish_reason) for r in requests] == expected
+    while engine.has_work:
+        engine.advance()
+    monkeypatch.setattr(engine.runner, "sample_deferred",
+                        lambda launched, bitmask: failing(launched, bitmask, KeyboardInterrupt()))
+    calls.clear()
+    failing_calls[:] = [3]
+    requests = [engine.add_request(p, params_for(c)) for p, c in zip(prompts(), CONSTRAINTS)]
+    with pytest.raises(KeyboardInterrupt):
+        while True:
+            engine.advance()
+    assert engine.runner.last_launched is None or engine.runner.last_launched.sampled
+    while not all(r.finished for r in requests):  # usable after the interrupt
+        engine.advance()
+    assert [(r.output_ids, r.finish_reason) for r in requests] == expected
+
+
+def test_a_grammar_given_compiled_is_used_as_is(params):
+    engine = engine_on(params, 1, 1, mode="tp")
+    constraint = StructuredOutputs(regex="[a-f]{3}")
+    compiled = engine.compile_grammar(params_for(constraint))
+    compiles = engine.grammar_compiler.compiles
+    request = engine.add_request(prompts()[0], params_for(constraint, max_tokens=10), grammar=compiled)
+    engine.run_until_done([request])
+    assert request.finish_reason == "stop" and len(request.output_ids) == 3
+    assert engine.grammar_compiler.compiles == compiles
+    with pytest.raises(ValueError, match="not the request's"):
+        engine.add_request(prompts()[0], params_for(StructuredOutputs(regex="x")), grammar=compiled)
+
+
+def test_an_end_of_sequence_from_a_failed_grammar_is_an_error_not_a_stop():
+    from shiftjax.serving.engine.scheduler import Scheduler, SchedulerConfig
+
+    class Failed:
+        failed, terminated = True, False
+
+        def accept(self, token):
+            return True
+
+    class Refusing(Failed):
+        failed = False
+
+        def accept(self, token):
+            return False
+
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4, max_model_len=32, page_size=4,
+                                          num_pages=16))
+    ended = scheduler.add([5, 6, 7], params_for(ALLOW_ALL), (EOS,), grammar=Failed())
+    refused = scheduler.add([5, 6, 7], params_for(ALLOW_ALL), (EOS,), grammar=Refusing())
+    step = scheduler.schedule()
+    scheduler.commit(step, [EOS, 9], [0.0, 0.0], "tp")
+    assert (ended.finish_reason, refused.finish_reason) == ("error", "error")
+
+
+def test_a_schema_dict_keeps_its_property_order():
+    schema = {"type": "object", "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "integer"}},
+              "required": ["zeta", "alpha"]}
+    assert list(json.loads(StructuredOutputs.from_json_schema(schema).json)["properties"]) == ["zeta", "alpha"]

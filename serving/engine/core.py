@@ -19,15 +19,17 @@ it runs the model (``token_fills.py``).
 Structured outputs (``grammar.py``): a constrained row's allowed tokens are a bitmask the
 sampler applies on the devices. Its mask for step N+1 needs its token of step N, which the
 host does not have when it launches N+1 ahead of N's result. Such a step is launched
-without its sampling: the devices run N+1's model while the host waits for N, commits it
-(each grammar consumes its token) and fills the masks; N+1's sampler is then launched,
+without its sampling: the devices run N+1's model while the host waits for N and commits
+it (each grammar consumes its token); the masks are then filled on the mask thread while
+the caller makes N's deltas, and N+1's sampler is launched at the start of the next turn,
 before N+2 is scheduled, which reads its samples. The model's work still overlaps the
-host's; the masks' fill and the sampler's launch are what a constrained step adds to it
-(``StepCounters.mask_seconds``).
+host's; the sampler's launch, and the fill where it outlasts the caller's work, are what a
+constrained step adds (``StepCounters.mask_seconds``).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Callable
@@ -97,7 +99,11 @@ class Engine:
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
         self.grammar_compiler = grammar_compiler
-        self._mask_filler: MaskFiller | None = None
+        self._mask_filler = self._mask_thread = None
+        if grammar_compiler is not None:
+            self._mask_filler = MaskFiller()
+            # one thread: a step's masks are filled while the caller makes the last step's deltas
+            self._mask_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shiftjax-masks")
         parts = builder.build(weights, config, report or (lambda message: None), adjust_steps)
         self.modes = parts.modes
         self.step_options = parts.step_options
@@ -111,6 +117,7 @@ class Engine:
         self._in_flight: LaunchedStep | None = None  # launched by advance, not yet finished
         self._last_finished = 0.0
         self._deferred_failure: StepFailed | None = None  # a deferred sampling's, for advance to report
+        self._deferred_masks: tuple[LaunchedStep, concurrent.futures.Future] | None = None
 
     @property
     def executables(self):
@@ -169,15 +176,21 @@ class Engine:
                     compiles=compiler.compiles, cache_hits=compiler.cache_hits,
                     compile_seconds=compiler.compile_seconds))))
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> Request:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
+                    grammar: CompiledGrammar | None = None) -> Request:
         """Queues a request (``cache_salt``: it shares cached prompt pages only with requests
         of the same salt); :class:`InvalidRequest` for one that breaks an admission rule or
-        whose structured outputs do not compile (compiled here unless cached already:
-        :meth:`compile_grammar` on another thread keeps that off the step loop)."""
-        grammar = None
+        whose structured outputs do not compile. ``grammar``: ``params.structured_outputs``
+        compiled already (:meth:`compile_grammar`, on another thread: the service's front
+        ends keep compiling off the step loop); else it is compiled here (or found cached)."""
+        state = None
         if params.structured_outputs is not None:
-            grammar = GrammarState(self.compile_grammar(params))
-        return self.scheduler.add(prompt_ids, params, self.eos_token_ids, cache_salt, grammar)
+            if grammar is None:
+                grammar = self.compile_grammar(params)
+            elif grammar.spec != params.structured_outputs:
+                raise ValueError("the compiled grammar given is not the request's structured_outputs")
+            state = GrammarState(grammar)
+        return self.scheduler.add(prompt_ids, params, self.eos_token_ids, cache_salt, state)
 
     def compile_grammar(self, params: SamplingParams) -> CompiledGrammar:
         """``params.structured_outputs`` compiled (cached); thread-safe. :class:`InvalidRequest`
@@ -242,6 +255,10 @@ class Engine:
         the step that was in flight kept or, while waiting for its result, forgotten the
         same way (caches kept)."""
         failed, launched = [], []
+        self._sample_deferred()
+        if self._deferred_failure is not None:  # the step in flight could not be sampled: forgotten
+            failed.append(self._deferred_failure)
+            self._deferred_failure = None
         if self._in_flight is None:
             self._in_flight = self._launch_noting(launched, failed)
             if self._in_flight is None:
@@ -253,9 +270,6 @@ class Engine:
             finished = self.finish_step(current)
         except StepFailed as failure:
             return PipelineTurn(tuple(launched), None, (*failed, failure))
-        if self._deferred_failure is not None:
-            failed.append(self._deferred_failure)
-            self._deferred_failure = None
         if not self.config.async_scheduling:
             self._in_flight = self._launch_noting(launched, failed)
         return PipelineTurn(tuple(launched), finished, tuple(failed))
@@ -281,6 +295,7 @@ class Engine:
         (the next step then decodes this one's samples on the device); steps are finished
         in the order they were launched."""
         start = time.perf_counter()
+        self._sample_deferred()  # the step this one may take tokens from is sampled first
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return None
@@ -303,6 +318,10 @@ class Engine:
     def finish_step(self, launched: LaunchedStep) -> StepReport:
         """The second half: waits for the step's result and commits it to its requests."""
         scheduled, mode = launched.scheduled, launched.mode
+        self._sample_deferred()
+        if self._deferred_failure is not None and not launched.sampled:  # it was this step
+            failure, self._deferred_failure = self._deferred_failure, None
+            raise failure
         try:
             result = self.runner.finish(launched)
         except Exception as error:
@@ -315,9 +334,13 @@ class Engine:
             self._start_over(new_caches=False)
             raise
         switched = self.counters.count(mode, scheduled.num_tokens)
-        finished = self.scheduler.commit(scheduled, result.tokens, result.logprobs, mode,
-                                         result.top_ids, result.top_logprobs)
-        self._sample_deferred()
+        try:
+            finished = self.scheduler.commit(scheduled, result.tokens, result.logprobs, mode,
+                                             result.top_ids, result.top_logprobs)
+            self._start_deferred_masks()
+        except BaseException:  # bookkeeping failed: nothing in flight may go on unsampled
+            self._start_over(new_caches=False)
+            raise
         now = time.perf_counter()
         seconds = now - max(launched.started, self._last_finished)
         self._last_finished = now
@@ -326,34 +349,57 @@ class Engine:
                           switched=switched, seconds=seconds)
 
     def _masks(self, scheduled) -> np.ndarray:
-        """The bitmask of ``scheduled``'s rows: each constrained row's grammar's allowed
-        tokens (rows of requests that ended or were preempted since, and unconstrained rows,
-        allow every token)."""
-        started = time.perf_counter()
-        bitmask = allow_all(len(scheduled.requests), self.weights.config.vocab_size)
-        rows = [(scheduled.requests[b].grammar, b) for b in scheduled.constrained
-                if not scheduled.requests[b].finished
-                and scheduled.requests[b].preemptions == scheduled.preemptions[b]]
-        if self._mask_filler is None:
-            self._mask_filler = MaskFiller()
-        self._mask_filler.fill(bitmask, rows)
-        self.counters.count_masks(len(rows), time.perf_counter() - started)
+        """The bitmask of ``scheduled``'s rows, filled now (:meth:`_fill_masks`)."""
+        bitmask, seconds, rows = self._fill_masks(scheduled, self._mask_rows(scheduled))
+        self.counters.count_masks(rows, seconds)
         return bitmask
 
-    def _sample_deferred(self) -> None:
-        """Samples the step launched after the one just committed if its masks waited for
-        that commit. A failure forgets that step (its requests recompute) and is reported
-        by :meth:`advance`."""
+    @staticmethod
+    def _mask_rows(scheduled) -> list:
+        """``(grammar state, row)`` of ``scheduled``'s constrained rows whose requests are still
+        live (a row of a request that ended or was preempted since allows every token)."""
+        return [(scheduled.requests[b].grammar, b) for b in scheduled.constrained
+                if not scheduled.requests[b].finished
+                and scheduled.requests[b].preemptions == scheduled.preemptions[b]]
+
+    def _fill_masks(self, scheduled, rows: list) -> tuple[np.ndarray, float, int]:
+        """Each row's grammar's allowed tokens, the other rows all ones; the seconds it took.
+        Reads only the grammar states, which nothing advances before the step is sampled,
+        so it may run on the mask thread."""
+        started = time.perf_counter()
+        bitmask = allow_all(len(scheduled.requests), self.weights.config.vocab_size)
+        self._mask_filler.fill(bitmask, rows)
+        return bitmask, time.perf_counter() - started, len(rows)
+
+    def _start_deferred_masks(self) -> None:
+        """After a commit: if the step launched after it waits for its masks, starts filling
+        them on the mask thread (llguidance releases the GIL), so that the fill overlaps the
+        caller's work on the committed step (its deltas); :meth:`_sample_deferred` takes them."""
         following = self.runner.last_launched
-        if following is None or following.sampled:
+        if following is None or following.sampled or self._deferred_masks is not None:
             return
+        rows = self._mask_rows(following.scheduled)  # on this thread: it reads the requests
+        self._deferred_masks = (following, self._mask_thread.submit(self._fill_masks, following.scheduled, rows))
+
+    def _sample_deferred(self) -> None:
+        """Launches the sampler of the step whose masks are being filled, once they are,
+        before anything reads that step's result. A failure forgets that step (its requests
+        recompute) and is reported by :meth:`advance`."""
+        if self._deferred_masks is None:
+            return
+        following, masks = self._deferred_masks
+        self._deferred_masks = None
         try:
-            self.runner.sample_deferred(following, self._masks(following.scheduled))
-        except Exception as error:
+            bitmask, seconds, rows = masks.result()
+            self.counters.count_masks(rows, seconds)
+            self.runner.sample_deferred(following, bitmask)
+        except BaseException as error:  # an interrupt too: an unsampled step must not stay in flight
             self.scheduler.forget(following.scheduled)
             self.runner.forget_launched(new_caches=False)
             if self._in_flight is following:
                 self._in_flight = None
+            if not isinstance(error, Exception):
+                raise
             failure = StepFailed(following.scheduled.requests)
             failure.__cause__ = error
             self._deferred_failure = failure
@@ -361,6 +407,9 @@ class Engine:
     def _start_over(self, new_caches: bool) -> None:
         """Forgets every step in flight: running requests go back to the queue (their
         commits, when they come, change nothing) and recompute what they had cached."""
+        if self._deferred_masks is not None:  # let the fill end: it reads grammar states
+            concurrent.futures.wait([self._deferred_masks[1]])
+            self._deferred_masks = None
         self.runner.forget_launched(new_caches)
         self.scheduler.preempt_all(caches_lost=new_caches)
         self._in_flight = None

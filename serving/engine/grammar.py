@@ -60,6 +60,12 @@ class GrammarState:
         return bool(self.matcher.is_stopped())
 
     @property
+    def failed(self) -> bool:
+        """The matcher hit an error (a limit of llguidance's): it then allows only the end of
+        sequence, which must not read as a complete output."""
+        return bool(self.matcher.is_error())
+
+    @property
     def error(self) -> str:
         return self.matcher.get_error()
 
@@ -86,9 +92,12 @@ class GrammarCompiler:
         self.compile_seconds = 0.0
 
     @classmethod
-    def for_tokenizer(cls, tokenizer, vocab_size: int, **options) -> "GrammarCompiler":
-        """From a shiftjax ``Tokenizer`` (its ``tokenizers`` backend and eos ids)."""
-        return cls(tokenizer.backend.to_str(), vocab_size, tokenizer.eos_token_ids, **options)
+    def for_tokenizer(cls, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...] | None = None,
+                      **options) -> "GrammarCompiler":
+        """From a shiftjax ``Tokenizer`` (its ``tokenizers`` backend); ``eos_token_ids``: the
+        engine's (default: the tokenizer's), which a complete output may end with."""
+        eos = tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids
+        return cls(tokenizer.backend.to_str(), vocab_size, tuple(eos), **options)
 
     def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
         """The compiled ``spec``, from the cache or compiled now; :class:`InvalidRequest`

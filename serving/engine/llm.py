@@ -60,7 +60,7 @@ class LLM:
             report(f"weights ready in {self.load_seconds:.1f} s ({load_format})")
         self.tokenizer = load_tokenizer(tokenizer_path_for(model, load_format, tokenizer))
         eos = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.config.eos_token_ids))
-        grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.config.vocab_size)
+        grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.config.vocab_size, eos)
         self.engine = Engine(self.weights, EngineConfig(**engine_options), eos_token_ids=eos, report=report,
                              grammar_compiler=grammars)
 

@@ -116,6 +116,8 @@ class StepRunner:
     @staticmethod
     def finish(launched: LaunchedStep) -> transfers.StepResult:
         """Waits for ``launched``'s result and unpacks it on the host."""
+        if not launched.sampled:
+            raise RuntimeError(f"step {launched.scheduled.step_id} was launched without sampling and never sampled")
         return transfers.unpack_host(transfers.packed_to_host(launched.host_copy))
 
     def forget_launched(self, new_caches: bool) -> None:

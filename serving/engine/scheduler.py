@@ -397,7 +397,8 @@ class Scheduler:
                 request.output_top_logprobs.append(
                     tuple(zip(top_ids[b, :wanted].tolist(), top_logprobs[b, :wanted].tolist())))
             if token in request.eos_token_ids or token in request.params.stop_token_ids:
-                request.finish_reason = "stop"
+                # an errored grammar allows only the end: that is no complete output
+                request.finish_reason = "error" if request.grammar is not None and request.grammar.failed else "stop"
             elif request.grammar is not None and not request.grammar.accept(token):
                 request.finish_reason = "error"  # a token its mask forbids: a bug, not the client's
             elif request.grammar is not None and request.grammar.terminated:

@@ -67,11 +67,13 @@ class StructuredOutputs:
 
     @classmethod
     def from_json_schema(cls, schema: dict | bool | str) -> "StructuredOutputs":
-        """A JSON-schema constraint from the schema as a dict (or its JSON text)."""
+        """A JSON-schema constraint from the schema as a dict (or its JSON text). Keys keep
+        their order: llguidance generates properties in the order the schema declares them
+        (a "reasoning" field before an "answer" one)."""
         if isinstance(schema, str):
             return cls(json=schema)
         try:
-            text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            text = json.dumps(schema, separators=(",", ":"))
         except (TypeError, ValueError) as error:
             raise InvalidRequest("structured_outputs.json", f"is not JSON-serializable ({error})") from None
         return cls(json=text)

@@ -85,13 +85,15 @@ def proto_field_names():
         raise InvalidRequest(_PROTO_FIELD_OF[error.field], str(error).removeprefix(f"{error.field}: ")) from None
 
 
-def check_structured_outputs(service, params: SamplingParams) -> None:
+def check_structured_outputs(service, params: SamplingParams):
     """Has ``service`` compile ``params``' constraint, if any (CPU work, for a pool thread,
-    before ``submit``): one that does not compile is :class:`InvalidRequest` naming the
-    proto's field."""
-    if params.structured_outputs is not None:
-        with proto_field_names():
-            service.check_structured_outputs(params)
+    before ``submit``), and returns it compiled, for ``GenerationRequest.grammar`` (None
+    without one): one that does not compile is :class:`InvalidRequest` naming the proto's
+    field."""
+    if params.structured_outputs is None:
+        return None
+    with proto_field_names():
+        return service.check_structured_outputs(params)
 
 
 def messages_from(messages) -> list[dict[str, str]]:

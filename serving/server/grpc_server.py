@@ -22,6 +22,7 @@ before ``submit``: one that does not compile is INVALID_ARGUMENT naming the prot
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 
@@ -129,10 +130,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
 def _generation_request(service, request: pb.GenerateRequest, deadline: float | None):
     """The service's request for ``request``, tokenized and its structured-output constraint
-    compiled (the service caches it for the engine thread): CPU work, for one pool job."""
+    compiled (carried to the engine thread in the request): CPU work, for one pool job."""
     generation = messages.generation_request_from(request, service.tokenizer, deadline)
-    messages.check_structured_outputs(service, generation.params)
-    return generation
+    grammar = messages.check_structured_outputs(service, generation.params)
+    return generation if grammar is None else dataclasses.replace(generation, grammar=grammar)
 
 
 def _tokenize(tokenizer, request: pb.TokenizeRequest) -> pb.TokenizeResponse:

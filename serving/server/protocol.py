@@ -51,6 +51,9 @@ class GenerationRequest:
     request_id: str | None = None  # None: the service assigns a random one (request_ids.py says what a given one may be)
     deadline: float | None = None
     cache_salt: str | None = None
+    # params.structured_outputs compiled (check_structured_outputs, on a front end's worker
+    # thread), so that the engine thread never compiles; None: compiled at admission
+    grammar: object | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,10 +135,11 @@ class EngineService(Protocol):
         ends it instead (gRPC closes the stream at its deadline)."""
         ...
 
-    def check_structured_outputs(self, params: SamplingParams) -> None:
-        """Compiles ``params.structured_outputs`` (if any) where the engine finds it cached,
-        on the calling thread (a front end's worker); raises :class:`InvalidRequest` naming
-        ``structured_outputs.<kind>`` for a constraint that does not compile."""
+    def check_structured_outputs(self, params: SamplingParams):
+        """``params.structured_outputs`` compiled (None without one), on the calling thread
+        (a front end's worker), to send as ``GenerationRequest.grammar``; raises
+        :class:`InvalidRequest` naming ``structured_outputs.<kind>`` for a constraint that
+        does not compile."""
         ...
 
     def cancel(self, request_id: str) -> bool:

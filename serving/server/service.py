@@ -160,16 +160,16 @@ class AsyncEngineService:
         return service_stats(self.engine.snapshot() if started else None, inbox=len(self._inbox),
                              draining=self._draining, error=broken)
 
-    def check_structured_outputs(self, params) -> None:
-        """Compiles ``params.structured_outputs`` (if any) into the engine's grammar cache, on
-        the calling thread: a front end calls this on a worker thread before :meth:`submit`,
-        so that the engine thread finds the grammar compiled. :class:`InvalidRequest` naming
-        ``structured_outputs.<kind>`` for one that does not compile."""
+    def check_structured_outputs(self, params):
+        """``params.structured_outputs`` compiled (None without one) on the calling thread: a
+        front end calls this on a worker thread and sends the result as
+        ``GenerationRequest.grammar``, so that the engine thread never compiles.
+        :class:`InvalidRequest` naming ``structured_outputs.<kind>`` for one that does not."""
         if getattr(params, "structured_outputs", None) is None:
-            return
+            return None
         if not self._started:
             raise Unavailable("the engine is still starting (compiling its executables); retry shortly")
-        self.engine.compile_grammar(params)
+        return self.engine.compile_grammar(params)
 
     def cached_prefix_tokens(self, prompt_ids, cache_salt: str | None = None) -> int:
         """Prompt tokens the engine's prefix cache holds now (0 while it starts): the
@@ -265,7 +265,7 @@ class AsyncEngineService:
             try:
                 params = live.request.params
                 live.engine_request = self.engine.add_request(list(live.request.prompt_ids), params,
-                                                              live.request.cache_salt)
+                                                              live.request.cache_salt, live.request.grammar)
                 live.output = OutputProcessor(self.tokenizer, params)
                 self._by_request[live.engine_request] = live
             except Exception as error:  # validated already; a race with the queue bound
