@@ -256,3 +256,15 @@ def test_a_schema_dict_keeps_its_property_order():
     schema = {"type": "object", "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "integer"}},
               "required": ["zeta", "alpha"]}
     assert list(json.loads(StructuredOutputs.from_json_schema(schema).json)["properties"]) == ["zeta", "alpha"]
+
+
+def test_end_of_sequence_ids_the_tokenizer_lacks_are_left_out():
+    """A model config's EOS id beyond another model's tokenizer (dummy weights beside the
+    default tokenizer) does not stop grammars from compiling."""
+    from shiftjax.checkpoints.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(tiny_tokenizer(), special_tokens={"eos_token": "</s>"})
+    compiler = GrammarCompiler.for_tokenizer(tokenizer, 128, (EOS, 120))
+    assert compiler.eos_token_ids == (EOS,)
+    state = GrammarState(compiler.compile(StructuredOutputs(regex="ab")))
+    assert state.accept(tiny_tokenizer().token_to_id("a")) and not state.terminated

@@ -95,9 +95,12 @@ class GrammarCompiler:
     def for_tokenizer(cls, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...] | None = None,
                       **options) -> "GrammarCompiler":
         """From a shiftjax ``Tokenizer`` (its ``tokenizers`` backend); ``eos_token_ids``: the
-        engine's (default: the tokenizer's), which a complete output may end with."""
+        engine's (default: the tokenizer's), which a complete output may end with, less any
+        the tokenizer does not have (a model config's, beside another model's tokenizer:
+        llguidance refuses them, and the grammar never allows an id outside the tokenizer)."""
         eos = tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids
-        return cls(tokenizer.backend.to_str(), vocab_size, tuple(eos), **options)
+        known = tokenizer.backend.get_vocab_size(with_added_tokens=True)
+        return cls(tokenizer.backend.to_str(), vocab_size, tuple(i for i in eos if i < known), **options)
 
     def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
         """The compiled ``spec``, from the cache or compiled now; :class:`InvalidRequest`
