@@ -1,15 +1,18 @@
 """A small deterministic EngineService for the HTTP front end's tests (no model, no JAX).
 
 The tokenizer is character-level (token id = code point), so expected texts, token
-counts and logprobs are known exactly. Every prompt is answered with :data:`REPLY`, one
-character per delta, ``token_delay`` seconds apart; the fake records what was submitted,
-cancelled and closed so tests can check that a disconnect frees the request.
+counts and logprobs are known exactly. Every prompt is answered with :data:`REPLY` (or the
+fake's ``reply``), one character per delta, ``token_delay`` seconds apart; the fake records
+what was submitted, cancelled and closed so tests can check that a disconnect frees the
+request. ``check_structured_outputs`` validates a constraint with llguidance, as the engine
+compiles it, but needs no tokenizer (nothing is masked: the reply is whatever it is set to).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 
 from shiftjax.serving.engine.errors import InvalidRequest, Overloaded, RequestFailed, Unavailable
@@ -39,8 +42,11 @@ class CharTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join("" if (i == EOS and skip_special_tokens) else ("<eos>" if i == EOS else chr(i)) for i in ids)
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
-        text = "".join(f"[{m['role']}]{m['content']}\n" for m in messages)
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None) -> str:
+        text = "".join(f"[tools]{json.dumps(tools)}\n" for _ in [tools] if tools)
+        for m in messages:
+            extra = {key: m[key] for key in ("tool_calls", "tool_call_id", "name") if key in m}
+            text += f"[{m['role']}]{m['content']}" + (json.dumps(extra) if extra else "") + "\n"
         return text + ("[assistant]" if add_generation_prompt else "")
 
 
@@ -53,6 +59,8 @@ class FakeService:
         self.error: str | None = None  # why the service stopped being ready, when set
         self.capacity: int | None = None  # live requests before Overloaded, when set
         self.echo = False  # reply with the prompt's text before REPLY, so replies differ by prompt
+        self.reply = REPLY  # what every prompt is answered with
+        self.checked: list = []  # the constraints check_structured_outputs was asked about
         self.fail_after: int | None = None  # tokens before an internal error, when set
         self.raise_after: int | None = None  # tokens before the stream raises RequestFailed
         # positions whose character is held back to the next delta (as the detokenizer holds
@@ -83,6 +91,29 @@ class FakeService:
         self.live.discard(request_id)
         return live
 
+    def check_structured_outputs(self, params):
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        import llguidance
+
+        self.checked.append(spec)
+        try:
+            if spec.json is not None or spec.json_object:
+                grammar = llguidance.grammar_from("json_schema", spec.json or '{"type": "object"}')
+            elif spec.regex is not None:
+                grammar = llguidance.grammar_from("regex", spec.regex)
+            elif spec.choice is not None:
+                grammar = llguidance.grammar_from("lark", "start: " + " | ".join(json.dumps(c) for c in spec.choice))
+            else:
+                grammar = llguidance.grammar_from("grammar", spec.grammar)
+            error = llguidance.LLMatcher.validate_grammar(grammar)
+        except ValueError as exception:
+            error = str(exception)
+        if error:
+            raise InvalidRequest(f"structured_outputs.{spec.kind}", f"does not compile: {error[:300]}")
+        return ("compiled", spec)  # what the engine gets back in GenerationRequest.grammar
+
     def stats(self) -> ServiceStats:
         return ServiceStats(running=len(self.live), waiting=0, num_pages=64, free_pages=64 - 2 * len(self.live),
                             steps=0, switches=0, preemptions=0, tokens_by_mode={}, steps_by_mode={},
@@ -95,7 +126,7 @@ class FakeService:
         params = request.params
         produced = held = ""
         try:
-            reply = (self.tokenizer.decode(request.prompt_ids) if self.echo else "") + REPLY + "\x03"
+            reply = (self.tokenizer.decode(request.prompt_ids) if self.echo else "") + self.reply + "\x03"
             for position, char in enumerate(reply):
                 await asyncio.sleep(self.token_delay)
                 if request_id not in self.live:  # cancelled

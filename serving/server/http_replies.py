@@ -1,6 +1,7 @@
 """The OpenAI API's response bodies and server-sent events, built from the deltas of a
 request's prompts (``http_streams.PromptStreams``): ``/v1/completions`` and
-``/v1/chat/completions``, whole or streamed, with usage and logprobs."""
+``/v1/chat/completions``, whole or streamed, with usage and logprobs, and a chat reply's
+tool calls (read by a ``tool_calls.CallParser``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from fastapi.responses import StreamingResponse
 from shiftjax.serving.server import openai_schema as schema
 from shiftjax.serving.server.http_errors import error_for
 from shiftjax.serving.server.http_streams import PromptStreams, Totals
-from shiftjax.serving.server.protocol import Delta
+from shiftjax.serving.server.protocol import FINISH_STOP, Delta
+from shiftjax.serving.server.tool_calls import CallParser, Step, parse_whole
 
 
 def sse(streams: PromptStreams, request: Request, reply, include_usage: bool) -> StreamingResponse:
@@ -94,35 +96,57 @@ class CompletionReply:
 
 
 class ChatReply:
-    """/v1/chat/completions bodies and chunks, built from the deltas of its one prompt."""
+    """/v1/chat/completions bodies and chunks, built from the deltas of its one prompt;
+    with ``calls`` (a request with tools), the reply's tool calls are read out of its text."""
 
-    def __init__(self, request_id: str, model_name: str, token_text, logprobs: bool):
+    def __init__(self, request_id: str, model_name: str, token_text, logprobs: bool, calls: CallParser | None = None):
         self.head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model_name}
         self.chunk_head = self.head | {"object": "chat.completion.chunk"}
         self.token_text, self.logprobs = token_text, logprobs
+        self.calls = calls
 
     def body(self, totals: list[Totals]) -> dict:
         (t,) = totals
         lp = schema.chat_logprobs(tuple(t.logprobs), self.token_text) if self.logprobs else None
-        choice = {"index": 0, "message": {"role": "assistant", "content": t.text}, "logprobs": lp,
-                  "finish_reason": t.finish_reason, "stop_reason": t.stop_reason}
+        message = {"role": "assistant", "content": t.text}
+        if self.calls is not None:
+            content, calls = parse_whole(self.calls, t.text)
+            message["content"] = content or (None if calls or self.calls.forced else "")
+            if calls:
+                message["tool_calls"] = [call.to_json() for call in calls]
+        choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": self._finish(t.finish_reason),
+                  "stop_reason": t.stop_reason}
         return self.head | {"choices": [choice], "usage": usage_of(totals)}
 
     def first_chunks(self, include_usage: bool) -> list[dict]:
-        # OpenAI opens a chat stream with the role and empty content
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        # OpenAI opens a chat stream with the role and empty content (null when the reply
+        # can only be tool calls)
+        content = None if self.calls is not None and self.calls.forced else ""
+        choice = {"index": 0, "delta": {"role": "assistant", "content": content}, "logprobs": None,
+                  "finish_reason": None}
         return [self.chunk_head | {"choices": [choice]} | ({"usage": None} if include_usage else {})]
 
     def chunk(self, index: int, delta: Delta, include_usage: bool) -> dict | None:
         if not (delta.text or delta.token_ids or delta.finish_reason):
             return None  # as in CompletionReply.chunk
         lp = schema.chat_logprobs(delta.logprobs, self.token_text) if self.logprobs else None
-        content = {"content": delta.text} if delta.text or not delta.finish_reason else {}
-        choice = {"index": 0, "delta": content, "logprobs": lp, "finish_reason": delta.finish_reason,
+        if self.calls is None:
+            content = {"content": delta.text} if delta.text or not delta.finish_reason else {}
+        else:
+            step = self.calls.feed(delta.text) if delta.text else Step()
+            if delta.finish_reason is not None:
+                step.merge(self.calls.finish())
+            content = ({"content": step.content} if step.content else {}) | \
+                ({"tool_calls": [call.to_json() for call in step.calls]} if step.calls else {})
+        choice = {"index": 0, "delta": content, "logprobs": lp, "finish_reason": self._finish(delta.finish_reason),
                   "stop_reason": delta.stop_reason}
         return self.chunk_head | {"choices": [choice]} | ({"usage": None} if include_usage else {})
 
     def usage_chunk(self, totals: list[Totals]) -> dict:
         return self.chunk_head | {"choices": [], "usage": usage_of(totals)}
 
-
+    def _finish(self, reason: str | None) -> str | None:
+        """``"tool_calls"`` for a reply that ended of itself (not cut by max_tokens) with calls."""
+        if reason == FINISH_STOP and self.calls is not None and self.calls.count:
+            return "tool_calls"
+        return reason

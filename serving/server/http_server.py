@@ -6,7 +6,9 @@ with ``Retry-After`` while starting or draining) and, when given a
 :class:`~shiftjax.serving.server.metrics.Metrics`, ``GET /metrics``. With an ``api_key``
 every ``/v1`` route needs ``Authorization: Bearer <key>`` (``validation.bearer_token_matches``,
 the rule gRPC follows too); ``/health`` and ``/metrics`` stay open for load balancers and
-scrapers, as in vLLM.
+scrapers, as in vLLM. Structured outputs and tool calls (``openai_structured.py``) become one
+constraint on the engine's output, compiled on the pool before the request is submitted;
+a chat reply under tools is read back into ``tool_calls`` (``tool_calls.py``).
 
 Every error is the OpenAI error object (``http_errors.py`` has the table). A body is read
 within the limits of ``body_limits.HttpLimits`` (size, time, depth), and parsed, tokenized
@@ -33,11 +35,13 @@ from starlette.exceptions import HTTPException
 from shiftjax.serving.engine.errors import InvalidRequest, Overloaded, RequestFailed, Unavailable
 from shiftjax.serving.engine.sampling_params import SamplingParams
 from shiftjax.serving.server import openai_schema as schema
+from shiftjax.serving.server import tool_calls
 from shiftjax.serving.server.body_limits import HttpLimits, parse_json, read_body, timed_h11_protocol
 from shiftjax.serving.server.http_errors import ClientGone, Refused, error_for, error_response, unavailable_response
 from shiftjax.serving.server.http_replies import ChatReply, CompletionReply, sse
 from shiftjax.serving.server.http_streams import PromptStreams
 from shiftjax.serving.server.metrics import Metrics
+from shiftjax.serving.server.openai_structured import OutputPlan, check_constraint, output_plan
 from shiftjax.serving.server.protocol import GenerationRequest, prompt_ids_or_error
 from shiftjax.serving.server.request_ids import new_request_id
 from shiftjax.serving.server.tokenize_pool import TokenizePool, encode
@@ -50,13 +54,18 @@ MAX_PROMPTS_PER_REQUEST = 256
 
 
 def create_app(service, *, model_name: str, api_key: str | None = None, metrics: Metrics | None = None,
-               limits: HttpLimits | None = None, pool: TokenizePool | None = None):
+               limits: HttpLimits | None = None, pool: TokenizePool | None = None,
+               tool_call_parser: str | None = None):
     """The FastAPI application serving ``service`` (an ``EngineService``) under ``model_name``.
 
     ``metrics``, when given, is bound to ``service.stats`` and served at ``/metrics``;
     ``limits`` bound what a client may send (default :class:`HttpLimits`); ``pool`` does the
-    CPU work of each request (default: a :class:`TokenizePool` of this app's own).
+    CPU work of each request (default: a :class:`TokenizePool` of this app's own);
+    ``tool_call_parser`` (a name of ``tool_calls.PARSERS``, ``serve --tool-call-parser``)
+    reads the tool calls of ``tool_choice: "auto"`` replies, which are refused without one.
     """
+    if tool_call_parser is not None and tool_call_parser not in tool_calls.PARSERS:
+        raise ValueError(f"unknown tool-call parser {tool_call_parser!r}; known: {', '.join(tool_calls.PARSERS)}")
     app = FastAPI(title="shiftjax", docs_url=None, redoc_url=None, openapi_url=None)
     limits = limits or HttpLimits()
     pool = pool or TokenizePool()
@@ -94,7 +103,7 @@ def create_app(service, *, model_name: str, api_key: str | None = None, metrics:
         if service.stats().draining:  # refused before a byte of the body is read or tokenized
             raise Unavailable("the server is shutting down and takes no new requests")
         raw = await read_body(request, limits)
-        return await pool.run(parsed_body, raw, model_class, model_name)
+        return await pool.run(parsed_body, raw, model_class, model_name, tool_call_parser)
 
     def max_model_len() -> int | None:
         if not max_model_len_cache:
@@ -105,17 +114,21 @@ def create_app(service, *, model_name: str, api_key: str | None = None, metrics:
             max_model_len_cache.append(value)
         return max_model_len_cache[0]
 
-    def submit_all(prompts, params: list[SamplingParams], request_id: str, body) -> PromptStreams:
+    async def submit_all(prompts, params: list[SamplingParams], request_id: str, body,
+                         plan: OutputPlan) -> PromptStreams:
+        grammar = None
+        if params[0].structured_outputs is not None:  # compiled off the loop, once for every prompt
+            grammar = await pool.run(check_constraint, service, params[0], plan)
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
         salt = checked_cache_salt(body.cache_salt)
         streams = PromptStreams(service, ids)
         try:
             for rid, prompt, sampling in zip(ids, prompts, params):
                 streams.add(service.submit(GenerationRequest(prompt_ids=prompt, params=sampling, request_id=rid,
-                                                             cache_salt=salt)), len(prompt))
+                                                             cache_salt=salt, grammar=grammar)), len(prompt))
         except InvalidRequest as error:
             streams.cancel_all()
-            raise schema.rename_field(error, body) from None
+            raise schema.rename_field(error, body, plan) from None
         except BaseException:
             streams.cancel_all()  # a refused prompt refuses the whole request; the others are freed
             raise
@@ -161,18 +174,18 @@ def create_app(service, *, model_name: str, api_key: str | None = None, metrics:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await parse_body(request, schema.CompletionRequest)
+        body, plan = await parse_body(request, schema.CompletionRequest)
         prompts = await pool.run(completion_prompts, body.prompt, tokenizer)
         top = body.logprobs or 0
         max_tokens = schema.COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         base = schema.sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs is not None,
-                                      top_logprobs=top)
+                                      top_logprobs=top, plan=plan)
         if body.max_tokens is None:  # the OpenAI default of 16, but never past the model's length
             params = [_fit_default(base, len(p), max_model_len()) for p in prompts]
         else:
             params = [base] * len(prompts)
         request_id = new_request_id("cmpl")
-        streams = submit_all(prompts, params, request_id, body)
+        streams = await submit_all(prompts, params, request_id, body, plan)
         reply = CompletionReply(request_id, model_name, token_text, len(prompts), body.logprobs is not None)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -181,8 +194,8 @@ def create_app(service, *, model_name: str, api_key: str | None = None, metrics:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await parse_body(request, schema.ChatCompletionRequest)
-        prompt = await pool.run(chat_prompt, body, tokenizer)
+        body, plan = await parse_body(request, schema.ChatCompletionRequest)
+        prompt = await pool.run(chat_prompt, body, tokenizer, plan.template_tools())
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # the OpenAI default: as much as the context allows
             length = max_model_len()
@@ -191,10 +204,10 @@ def create_app(service, *, model_name: str, api_key: str | None = None, metrics:
                                                  f"to generate within max_model_len {length}")
             max_tokens = SamplingParams().max_tokens if length is None else length - len(prompt)
         params = schema.sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs,
-                                        top_logprobs=body.top_logprobs or 0)
+                                        top_logprobs=body.top_logprobs or 0, plan=plan)
         request_id = new_request_id("chatcmpl")
-        streams = submit_all([prompt], [params], request_id, body)
-        reply = ChatReply(request_id, model_name, token_text, body.logprobs)
+        streams = await submit_all([prompt], [params], request_id, body, plan)
+        reply = ChatReply(request_id, model_name, token_text, body.logprobs, plan.call_parser())
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return sse(streams, request, reply, include_usage)
@@ -203,15 +216,16 @@ def create_app(service, *, model_name: str, api_key: str | None = None, metrics:
     return app
 
 
-def parsed_body(raw: bytes, model_class, model_name: str):
-    """The body as ``model_class``, its model checked and its unimplemented values refused
-    (CPU work: on a pool thread)."""
+def parsed_body(raw: bytes, model_class, model_name: str, tool_call_parser: str | None = None
+                ) -> tuple[schema.CompletionRequest | schema.ChatCompletionRequest, OutputPlan]:
+    """The body as ``model_class``, its model checked and its unimplemented values refused,
+    and what it asks of its output (CPU work: on a pool thread)."""
     parsed = schema.parse(model_class, parse_json(raw))
     if parsed.model is not None and parsed.model != model_name:
         raise Refused(404, f"the model {shown(parsed.model)} does not exist; this server serves "
                            f"{model_name!r}", kind="not_found_error", param="model", code="model_not_found")
     schema.refuse_unimplemented(parsed)
-    return parsed
+    return parsed, output_plan(parsed, tool_call_parser)
 
 
 def completion_prompts(prompt, tokenizer) -> list[tuple[int, ...]]:
@@ -231,11 +245,13 @@ def completion_prompts(prompt, tokenizer) -> list[tuple[int, ...]]:
             for i, p in enumerate(prompt)]
 
 
-def chat_prompt(body: schema.ChatCompletionRequest, tokenizer) -> tuple[int, ...]:
-    """The token ids of a chat request's messages, rendered with the model's chat template."""
+def chat_prompt(body: schema.ChatCompletionRequest, tokenizer, tools: list[dict] | None = None) -> tuple[int, ...]:
+    """The token ids of a chat request's messages, rendered with the model's chat template
+    (given ``tools``, as Hugging Face templates take them, when there are any)."""
     messages = schema.chat_messages(body)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             **({"tools": tools} if tools else {}))
     except Exception as error:  # no template, or the template's raise_exception
         raise InvalidRequest("messages", f"cannot be rendered with the model's chat template: "
                                          f"{str(error)[:300]}") from None

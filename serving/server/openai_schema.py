@@ -3,9 +3,11 @@
 Requests are pydantic models with ``extra="forbid"``: a parameter this server does not
 know is a 400 naming it, never silently dropped. Parameters it knows but implements only
 at their neutral value (``n``, ``best_of``, penalties, ``logit_bias``, ``echo``,
-``suffix``, tools, ``response_format``) are accepted at that value and refused otherwise
-by :func:`refuse_unimplemented`. Responses are built as plain dicts in ``http_server.py``;
-the logprob shapes of the two APIs are built here.
+``suffix``) are accepted at that value and refused otherwise by
+:func:`refuse_unimplemented`. The structured-output and tool fields (``response_format``,
+``structured_outputs``, ``guided_*``, ``tools``, ``tool_choice``) are typed loosely here and
+read, field by field, by ``openai_structured.py``. Responses are built as plain dicts in
+``http_replies.py``; the logprob shapes of the two APIs are built here.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from shiftjax.serving.engine.errors import InvalidRequest
 from shiftjax.serving.engine.sampling_params import SamplingParams
 from shiftjax.serving.server import validation
+from shiftjax.serving.server.openai_structured import OutputPlan, message_tool_calls
 from shiftjax.serving.server.protocol import TokenLogprob
 from shiftjax.serving.server.validation import field_path, shown
 
@@ -52,6 +55,15 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None  # prefix-cache pages shared only among requests of this salt
+    # what the output must match (openai_structured.output_plan reads these; Any: it names
+    # the nested field that is wrong, as the client spelled it)
+    response_format: Any = None
+    structured_outputs: Any = None  # vLLM's
+    guided_json: Any = None  # vLLM's older spellings
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: str | None = None
     # known, implemented only at their neutral value
     n: int = 1
     presence_penalty: float = 0.0
@@ -70,6 +82,8 @@ class CompletionRequest(_SamplingFields):
 class ChatMessage(_Strict):
     role: str  # validation.checked_chat_messages says which (gRPC's rule too)
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: Any = None  # an assistant's (openai_structured.message_tool_calls)
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -77,9 +91,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: Any = None
+    tool_choice: Any = None
     parallel_tool_calls: bool | None = None
 
 
@@ -131,21 +144,15 @@ def refuse_unimplemented(request: CompletionRequest | ChatCompletionRequest) -> 
         if request.suffix:
             refuse("suffix", "suffix (insertion)")
     else:
-        if request.response_format not in (None, {"type": "text"}):
-            refuse("response_format", "structured output (only {'type': 'text'})")
-        if request.tools:
-            refuse("tools", "tool calling")
-        if request.tool_choice not in (None, "none"):
-            refuse("tool_choice", "tool calling (only 'none')")
         if request.max_tokens is not None and request.max_completion_tokens is not None \
                 and request.max_tokens != request.max_completion_tokens:
             raise InvalidRequest("max_tokens", "differs from max_completion_tokens; give one of them")
 
 
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,
-                    logprobs: bool, top_logprobs: int) -> SamplingParams:
-    """The engine's parameters for ``request``; an invalid value raises InvalidRequest
-    naming the field as the request spelled it."""
+                    logprobs: bool, top_logprobs: int, plan: OutputPlan | None = None) -> SamplingParams:
+    """The engine's parameters for ``request``, constrained as ``plan`` says; an invalid
+    value raises InvalidRequest naming the field as the request spelled it."""
     temperature = 1.0 if request.temperature is None else request.temperature
     seed = request.seed
     if seed is None:  # the OpenAI API samples afresh on every call unless a seed is given
@@ -158,13 +165,17 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, *, max_t
             top_p=1.0 if request.top_p is None else request.top_p, top_k=top_k,
             min_p=0.0 if request.min_p is None else request.min_p, seed=seed,
             stop_token_ids=tuple(request.stop_token_ids or ()), stop=stop, ignore_eos=request.ignore_eos,
-            logprobs=logprobs, top_logprobs=top_logprobs)
+            logprobs=logprobs, top_logprobs=top_logprobs,
+            structured_outputs=None if plan is None else plan.structured_outputs)
     except InvalidRequest as error:
-        raise rename_field(error, request) from None
+        raise rename_field(error, request, plan) from None
 
 
-def rename_field(error: InvalidRequest, request: CompletionRequest | ChatCompletionRequest) -> InvalidRequest:
+def rename_field(error: InvalidRequest, request: CompletionRequest | ChatCompletionRequest,
+                 plan: OutputPlan | None = None) -> InvalidRequest:
     """``error`` with the engine's field name replaced by the one the request used."""
+    if plan is not None:
+        error = plan.renamed(error)
     field = error.field
     if field == "prompt_ids":
         field = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
@@ -178,10 +189,20 @@ def rename_field(error: InvalidRequest, request: CompletionRequest | ChatComplet
     return InvalidRequest(field, message)
 
 
-def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
-    """The messages as a chat template takes them: text content only (text parts joined)."""
+def chat_messages(request: ChatCompletionRequest) -> list[dict]:
+    """The messages as a chat template takes them: text content only (text parts joined), an
+    assistant's ``tool_calls`` and a tool message's ``tool_call_id``."""
     messages = []
     for i, message in enumerate(request.messages):
+        extra = {}
+        if message.tool_calls is not None:
+            if message.role != "assistant":
+                raise InvalidRequest(f"messages.{i}.tool_calls", "only an assistant message carries tool calls")
+            extra["tool_calls"] = message_tool_calls(message.tool_calls, f"messages.{i}.tool_calls")
+        if message.tool_call_id is not None:
+            if message.role != "tool":
+                raise InvalidRequest(f"messages.{i}.tool_call_id", "only a tool message answers a tool call")
+            extra["tool_call_id"] = message.tool_call_id
         content = message.content
         if isinstance(content, list):
             texts = []
@@ -191,7 +212,7 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
                                          "only text parts ({'type': 'text', 'text': ...}) are implemented")
                 texts.append(part["text"])
             content = "".join(texts)
-        messages.append((message.role, content))
+        messages.append((message.role, content, extra))
     return validation.checked_chat_messages(messages)
 
 

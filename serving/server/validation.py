@@ -19,8 +19,8 @@ from shiftjax.serving.server.protocol import GenerationRequest
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 # The roles a chat template is given. "developer" is the newer OpenAI name of "system" (chat
-# templates know "system"); "tool" messages answer tool calls, which this server does not make.
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+# templates know "system"); a "tool" message answers a call of the assistant message before it.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def sampling_params(**fields) -> SamplingParams:
@@ -32,17 +32,37 @@ def sampling_params(**fields) -> SamplingParams:
     return SamplingParams(**fields)
 
 
-def checked_chat_messages(messages, field: str = "messages") -> list[dict[str, str]]:
-    """``messages``, pairs of (role, text content), as a chat template takes them, or
-    :class:`InvalidRequest` naming ``field.i.role`` (a role outside :data:`CHAT_ROLES`) or
-    ``field`` (no message)."""
-    rendered = []
-    for i, (role, content) in enumerate(messages):
+def checked_chat_messages(messages, field: str = "messages") -> list[dict]:
+    """``messages`` as a chat template takes them, or :class:`InvalidRequest` naming
+    ``field.i.role`` (a role outside :data:`CHAT_ROLES`), ``field.i.tool_call_id`` or
+    ``field`` (no message). Each message is (role, text content) or (role, text content,
+    extra), ``extra`` the checked keys a template reads besides: ``tool_calls`` (an
+    assistant's calls, each with an ``id``) or ``tool_call_id``. A ``tool`` message must
+    answer, by ``tool_call_id``, a call of the assistant message before it (other tool
+    messages between), as OpenAI's API requires; over gRPC, whose messages carry no calls,
+    none can. The answered call's function is the message's ``name`` (some templates read it)."""
+    rendered, open_calls = [], {}
+    for i, (role, content, *extra) in enumerate(messages):
+        extra = dict(extra[0]) if extra else {}
         if role not in CHAT_ROLES:
-            hint = "tool calling is not implemented; " if role == "tool" else ""
-            raise InvalidRequest(f"{field}.{i}.role", f"{hint}the role must be one of {', '.join(CHAT_ROLES)}, "
+            raise InvalidRequest(f"{field}.{i}.role", f"the role must be one of {', '.join(CHAT_ROLES)}, "
                                                       f"got {shown(role)}")
-        rendered.append({"role": "system" if role == "developer" else role, "content": content or ""})
+        message = {"role": "system" if role == "developer" else role, "content": content or ""}
+        if role == "tool":
+            if not open_calls:
+                raise InvalidRequest(f"{field}.{i}.role", "a 'tool' message answers a tool call: it must follow "
+                                                          "an assistant message with tool_calls (or another "
+                                                          "tool message)")
+            call_id = extra.pop("tool_call_id", None)
+            if call_id not in open_calls:
+                raise InvalidRequest(f"{field}.{i}.tool_call_id", f"must be the id of a call it answers, one of "
+                                                                  f"{shown(list(open_calls), 80)}; got {shown(call_id)}")
+            message |= {"tool_call_id": call_id, "name": open_calls[call_id]}
+        else:
+            open_calls = {}
+        if role == "assistant" and extra.get("tool_calls"):
+            open_calls = {call["id"]: call["function"]["name"] for call in extra["tool_calls"]}
+        rendered.append(message | extra)
     if not rendered:
         raise InvalidRequest(field, "is empty; give at least one message")
     return rendered
