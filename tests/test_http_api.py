@@ -238,7 +238,7 @@ def test_completion_refusals_name_the_field(client, service, extra, param):
     ({"n": 3}, "n"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs
     ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
     ({"max_tokens": 5, "max_completion_tokens": 6}, "max_tokens"),

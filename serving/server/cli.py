@@ -31,11 +31,17 @@ log = logging.getLogger("shiftjax.serve")
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    from shiftjax.serving.server.tool_calls import PARSERS
+
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     group.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
     group.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (off unless given)")
     group.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics port (off unless given)")
+    group.add_argument("--tool-call-parser", choices=tuple(PARSERS), default=None,
+                       help="HTTP: read tool calls out of the text (<tool_call>{...}</tool_call>, as Qwen2.5 and "
+                            "Hermes templates write them) for tool_choice 'auto'; without it 'auto' is refused "
+                            "('required' and a named function need none)")
     group.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: TLS on the gRPC and HTTP ports")
     group.add_argument("--tls-key", type=Path, default=None, help="PEM private key: TLS on the gRPC and HTTP ports")
     group.add_argument("--max-request-bytes", type=int, default=None, metavar="BYTES",
@@ -159,7 +165,7 @@ async def _serve(args, tls, api_key) -> int:
 
         limits = HttpLimits(max_request_bytes=max_request_bytes, read_timeout_seconds=args.read_timeout)
         app = create_app(service, model_name=service.model_name, api_key=api_key, metrics=metrics,
-                         limits=limits, pool=pool)
+                         limits=limits, pool=pool, tool_call_parser=args.tool_call_parser)
         http_server = uvicorn_server(app, host=args.host, port=args.http_port,
                                      tls_files=(args.tls_cert, args.tls_key) if tls else None)
         http_task = loop.create_task(http_server.serve())
