@@ -98,7 +98,8 @@ def test_a_second_start_with_the_executable_store_lowers_nothing(tmp_path):
     first = shiftjax("generate", *args)
     assert compile_report(first.stderr, store=True) == (2, 0, 0)
     stored = [p.name for p in (tmp_path / "xla" / "executables").glob("*.executable")]
-    assert len(stored) == 3 and sum(name.startswith("sampler-") for name in stored) == 1  # 2 steps, 1 sampler
+    # 2 steps, 2 samplers (sample_rows, greedy_rows) of the one sequence bucket
+    assert len(stored) == 4 and sum(name.startswith("sampler-") for name in stored) == 2
     second = shiftjax("generate", *args)
     assert compile_report(second.stderr, store=True) == (2, 2, 0)  # neither lowered nor compiled
     assert [c["output_ids"] for c in completions(second)] == [c["output_ids"] for c in completions(first)]
