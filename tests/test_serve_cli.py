@@ -20,6 +20,9 @@ from loopback import free_port
 
 pytestmark = pytest.mark.slow
 
+# tokens of the streams that must outlive the drain's grace: 120 did not, once (a 4-second
+# grace, steps of ~30 ms on this 2-core CPU with the suite's compilation cache warm)
+LONG = 480
 ENGINE_ARGS = ["--cpu-devices", "4", "--sp", "2", "--tp", "2", "--max-model-len", "128", "--num-pages", "32",
                "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--token-buckets", "16,64",
                "--seq-buckets", "4", "--shift-threshold", "32"]
@@ -55,11 +58,11 @@ class ServeProcess:
 
 
 def sse_finish(url: str, headers: dict, events: list) -> None:
-    """A streamed /v1/completions of 120 tokens; its data payloads appended to ``events``
+    """A streamed /v1/completions of LONG tokens; its data payloads appended to ``events``
     (a protocol error, as a cut stream raises, appended as the exception)."""
     import httpx
 
-    body = {"prompt": "Once upon a time", "max_tokens": 120, "ignore_eos": True, "stream": True}
+    body = {"prompt": "Once upon a time", "max_tokens": LONG, "ignore_eos": True, "stream": True}
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=120) as response:
             events.append(response.status_code)
@@ -70,7 +73,7 @@ def sse_finish(url: str, headers: dict, events: list) -> None:
 
 def grpc_finish(client: Client, out: list) -> None:
     try:
-        out.extend(client.generate(prompt_ids=[5, 6, 7], max_tokens=120, ignore_eos=True))
+        out.extend(client.generate(prompt_ids=[5, 6, 7], max_tokens=LONG, ignore_eos=True))
     except grpc.RpcError as error:
         out.append(error)
 
@@ -86,7 +89,9 @@ def test_sigterm_under_load_drains_visibly_then_exits_0(tmp_path):
     key_file = tmp_path / "api-key"
     key_file.write_text("tok-123\n")
     http_port, metrics_port = free_port(), free_port()
-    server = ServeProcess(*ENGINE_ARGS, "--port", "0", "--http-port", str(http_port), "--api-key-file", str(key_file),
+    # (the later --max-model-len and --num-pages win: room for LONG tokens a stream)
+    server = ServeProcess(*ENGINE_ARGS, "--max-model-len", "512", "--num-pages", "64",
+                          "--port", "0", "--http-port", str(http_port), "--api-key-file", str(key_file),
                           "--metrics-port", str(metrics_port), "--grace-seconds", "4")
     url, headers = f"http://127.0.0.1:{http_port}", {"Authorization": "Bearer tok-123"}
     try:
