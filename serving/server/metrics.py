@@ -190,22 +190,20 @@ class _ServiceStatsCollector(Collector):
                                 value=stats.cached_pages)
         yield CounterMetricFamily(f"{PREFIX}_prefix_cache_evicted_pages",
                                   "Cached KV pages evicted to make room for new ones.", value=stats.evicted_pages)
-        grammar = stats.grammar
-        yield CounterMetricFamily(f"{PREFIX}_structured_output_grammars_compiled",
-                                  "Structured-output grammars compiled (a distinct constraint not cached).",
-                                  value=grammar.compiles)
-        yield CounterMetricFamily(f"{PREFIX}_structured_output_grammar_cache_hits",
-                                  "Structured-output grammars found compiled.", value=grammar.cache_hits)
-        yield CounterMetricFamily(f"{PREFIX}_structured_output_compile_seconds",
-                                  "Seconds compiling structured-output grammars.", value=grammar.compile_seconds)
-        yield CounterMetricFamily(f"{PREFIX}_structured_output_mask_fills",
-                                  "Steps whose grammar masks the host filled (one per step with a constrained row).",
-                                  value=grammar.mask_fills)
-        yield CounterMetricFamily(f"{PREFIX}_structured_output_masked_rows",
-                                  "Constrained rows whose grammar mask the host filled.", value=grammar.masked_rows)
-        yield CounterMetricFamily(f"{PREFIX}_structured_output_mask_seconds",
-                                  "Host seconds filling grammar masks.", value=grammar.mask_seconds)
+        for name, field, help_text in _GRAMMAR_COUNTERS:
+            yield CounterMetricFamily(f"{PREFIX}_structured_output_{name}", help_text,
+                                      value=getattr(stats.grammar, field))
 
+
+# structured outputs' counters: (metric name, GrammarCounters field, help)
+_GRAMMAR_COUNTERS = (
+    ("grammars_compiled", "compiles", "Structured-output grammars compiled (a distinct constraint not cached)."),
+    ("grammar_cache_hits", "cache_hits", "Structured-output grammars found compiled."),
+    ("compile_seconds", "compile_seconds", "Seconds compiling structured-output grammars."),
+    ("mask_fills", "mask_fills", "Steps whose grammar masks the host filled (one per step with a constrained row)."),
+    ("masked_rows", "masked_rows", "Constrained rows whose grammar mask the host filled."),
+    ("mask_seconds", "mask_seconds", "Host seconds filling grammar masks."),
+)
 
 def start_metrics_server(metrics: Metrics, port: int, host: str = "127.0.0.1"):
     """Serves ``metrics`` as Prometheus text on ``http://host:port/metrics`` from a daemon
