@@ -306,7 +306,7 @@ class Engine:
                 return self.runner.launch(scheduled, mode, bucket, start)
             if scheduled.masks_wait:  # sampled once the step in flight is committed (finish_step)
                 return self.runner.launch(scheduled, mode, bucket, start, defer_sampling=True)
-            return self.runner.launch(scheduled, mode, bucket, start, bitmask=self._masks(scheduled))
+            return self.runner.launch(scheduled, mode, bucket, start, bitmask=self._masks(scheduled, bucket[1]))
         except BaseException as error:  # an interrupt too: nothing may stay scheduled but unlaunched
             self.scheduler.forget(scheduled)
             if self.runner.recover_caches():
@@ -348,9 +348,9 @@ class Engine:
                           requests=scheduled.requests, sampled=scheduled.delivered, finished=finished,
                           switched=switched, seconds=seconds)
 
-    def _masks(self, scheduled) -> np.ndarray:
+    def _masks(self, scheduled, num_rows: int) -> np.ndarray:
         """The bitmask of ``scheduled``'s rows, filled now (:meth:`_fill_masks`)."""
-        bitmask, seconds, rows = self._fill_masks(scheduled, self._mask_rows(scheduled))
+        bitmask, seconds, rows = self._fill_masks(scheduled, self._mask_rows(scheduled), num_rows)
         self.counters.count_masks(rows, seconds)
         return bitmask
 
@@ -362,12 +362,13 @@ class Engine:
                 if not scheduled.requests[b].finished
                 and scheduled.requests[b].preemptions == scheduled.preemptions[b]]
 
-    def _fill_masks(self, scheduled, rows: list) -> tuple[np.ndarray, float, int]:
-        """Each row's grammar's allowed tokens, the other rows all ones; the seconds it took.
-        Reads only the grammar states, which nothing advances before the step is sampled,
-        so it may run on the mask thread."""
+    def _fill_masks(self, scheduled, rows: list, num_rows: int) -> tuple[np.ndarray, float, int]:
+        """Each row's grammar's allowed tokens, the other rows (to ``num_rows``, the step's
+        sequence bucket, so that the runner uploads it as it is) all ones; the seconds it
+        took. Reads only the grammar states, which nothing advances before the step is
+        sampled, so it may run on the mask thread."""
         started = time.perf_counter()
-        bitmask = allow_all(len(scheduled.requests), self.weights.config.vocab_size)
+        bitmask = allow_all(num_rows, self.weights.config.vocab_size)
         self._mask_filler.fill(bitmask, rows)
         return bitmask, time.perf_counter() - started, len(rows)
 
@@ -379,7 +380,8 @@ class Engine:
         if following is None or following.sampled or self._deferred_masks is not None:
             return
         rows = self._mask_rows(following.scheduled)  # on this thread: it reads the requests
-        self._deferred_masks = (following, self._mask_thread.submit(self._fill_masks, following.scheduled, rows))
+        self._deferred_masks = (following, self._mask_thread.submit(self._fill_masks, following.scheduled, rows,
+                                                                        following.bucket[1]))
 
     def _sample_deferred(self) -> None:
         """Launches the sampler of the step whose masks are being filled, once they are,

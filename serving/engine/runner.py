@@ -94,9 +94,9 @@ class StepRunner:
             placed = None
             if bitmask is not None:
                 rows = launched.bucket[1]
-                padded = np.full((rows, bitmask.shape[1]), -1, np.int32)
-                padded[:len(bitmask)] = bitmask
-                placed = transfers.place_replicated(padded, self.weights)
+                if len(bitmask) < rows:  # padding sequences allow every token
+                    bitmask = np.concatenate([bitmask, np.full((rows - len(bitmask), bitmask.shape[1]), -1, np.int32)])
+                placed = transfers.place_replicated(bitmask, self.weights)
             packed = self.samplers(launched.logits, launched.sequences, placed,
                                    greedy=not needs_sampler(launched.scheduled.batch))
         launched.packed, launched.host_copy = packed, transfers.start_host_copy(packed)
