@@ -78,6 +78,20 @@ def grpc_finish(client: Client, out: list) -> None:
         out.append(error)
 
 
+def wait_for_requests(metrics_port: int, at_least: int, seconds: float = 120) -> None:
+    """Until the server's gauges count at least ``at_least`` requests, running or waiting."""
+    import httpx
+
+    give_up = time.monotonic() + seconds
+    while time.monotonic() < give_up:
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+        counts = re.findall(r"^shiftjax_num_requests_(?:running|waiting) (\S+)$", text, re.M)
+        if sum(float(count) for count in counts) >= at_least:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the server never held {at_least} requests")
+
+
 def test_sigterm_under_load_drains_visibly_then_exits_0(tmp_path):
     """SIGTERM with a short grace (issue 31): a request that can finish within it does; the
     HTTP port keeps listening, /health and new requests answer 503 with Retry-After (gRPC:
@@ -106,15 +120,21 @@ def test_sigterm_under_load_drains_visibly_then_exits_0(tmp_path):
             assert httpx.get(f"{url}/v1/models", timeout=10, headers=headers).status_code == 200
             assert httpx.get(f"http://127.0.0.1:{metrics_port}/", timeout=10).status_code == 404  # /metrics only
 
-            # 3 SSE and 3 gRPC streams that cannot finish within the grace, beside one that can;
-            # 7 requests for 4 sequences: some are still queued when the signal comes
+            # admitted in a fixed order (a race here once queued the short request behind four
+            # long ones): 3 SSE streams that cannot finish within the grace take 3 of the 4
+            # sequences, the short request the 4th, and 3 gRPC streams wait in the queue
             outcomes = [[] for _ in range(6)]
-            threads = [threading.Thread(target=sse_finish, args=(url, headers, outcomes[i])) for i in range(3)]
-            threads += [threading.Thread(target=grpc_finish, args=(client, outcomes[i])) for i in range(3, 6)]
-            for thread in threads:
+            sse_threads = [threading.Thread(target=sse_finish, args=(url, headers, outcomes[i])) for i in range(3)]
+            grpc_threads = [threading.Thread(target=grpc_finish, args=(client, outcomes[i])) for i in range(3, 6)]
+            threads = sse_threads + grpc_threads
+            for thread in sse_threads:
                 thread.start()
+            wait_for_requests(metrics_port, at_least=3)
             running = client.generate(prompt_ids=[1, 2, 3], max_tokens=6, ignore_eos=True)
-            received = [t for _ in range(5) for t in next(running).token_ids]  # one step left to run
+            replies = [next(running)]  # the short request holds the 4th sequence
+            for thread in grpc_threads:
+                thread.start()
+            wait_for_requests(metrics_port, at_least=6)  # all six long ones, whether or not the short one is done
             server.process.send_signal(signal.SIGTERM)
             server.wait_for_line("draining", 10)
             health = httpx.get(f"{url}/health", timeout=10)
@@ -126,9 +146,9 @@ def test_sigterm_under_load_drains_visibly_then_exits_0(tmp_path):
             with pytest.raises(grpc.RpcError) as caught:
                 client.complete(prompt_ids=[4, 5], max_tokens=2)
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-            rest = list(running)
-            received += [t for r in rest for t in r.token_ids]
-            assert len(received) == 6 and rest[-1].finish_reason == pb.FINISH_REASON_LENGTH  # ran to its end
+            replies += list(running)
+            assert sum(len(reply.token_ids) for reply in replies) == 6  # ran to its end
+            assert replies[-1].finish_reason == pb.FINISH_REASON_LENGTH
             for thread in threads:
                 thread.join(120)
         for sse in outcomes[:3]:
