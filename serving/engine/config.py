@@ -6,6 +6,7 @@ import dataclasses
 
 from shiftjax.cache import pages_for
 from shiftjax.kernels.collectives import ALL_REDUCES, ALL_TO_ALLS
+from shiftjax.serving.engine.speculative import SpeculativeConfig
 from shiftjax.step_options import ATTENTIONS, GEMM_BACKENDS, LAYER_LOOPS
 
 
@@ -44,6 +45,8 @@ class EngineConfig:
     async_scheduling: bool = True
     # share the K/V of full prompt pages across requests (prefix_cache.py)
     enable_prefix_caching: bool = True
+    # draft-free speculative decoding (speculative.py); None: off
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         if self.max_model_len <= 0:
@@ -68,6 +71,8 @@ class EngineConfig:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if self.num_pages is not None and self.kv_memory_fraction is not None:
             raise ValueError("give num_pages or kv_memory_fraction, not both")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError(f"speculative must be a SpeculativeConfig or None, got {self.speculative!r}")
         if not 0 <= self.max_top_logprobs <= 20:
             raise ValueError(f"max_top_logprobs must be in [0, 20], got {self.max_top_logprobs}")
 

@@ -20,6 +20,8 @@ class SamplingParams:
     output where they first appear, even across token boundaries, and are not returned.
     ``structured_outputs`` constrains the output to a schema, regex, choice or grammar
     (``structured_outputs.py``; the engine masks the logits of the tokens it forbids).
+    ``disable_speculation`` keeps a request out of speculative decoding (``speculative.py``)
+    on an engine that speculates; its tokens are the same either way.
 
     An invalid value raises :class:`InvalidRequest` naming the field.
     """
@@ -36,6 +38,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     structured_outputs: StructuredOutputs | None = None
+    disable_speculation: bool = False
 
     def __post_init__(self):
         def refuse(field, message):
@@ -67,6 +70,8 @@ class SamplingParams:
             refuse("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         if self.top_logprobs and not self.logprobs:
             refuse("top_logprobs", "needs logprobs=True")
+        if not isinstance(self.disable_speculation, bool):
+            refuse("disable_speculation", "must be a bool")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             refuse("structured_outputs", "must be a StructuredOutputs or None")
 

@@ -11,6 +11,7 @@ import jax
 
 from shiftjax.config import ModelConfig
 from shiftjax.serving.engine.scheduler import SchedulerConfig
+from shiftjax.serving.engine.speculative import SpecDecodeCounters, SpeculativeConfig
 
 
 @dataclasses.dataclass
@@ -95,6 +96,7 @@ class EngineSnapshot:
     cached_pages: int = 0
     evicted_pages: int = 0
     grammar: GrammarCounters = GrammarCounters()
+    speculative: SpecDecodeCounters = SpecDecodeCounters()
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -129,6 +131,7 @@ class EngineDescription:
     loaded_from_store: int  # executables from the executable store
     phase_seconds: dict[str, float]  # seconds per start-up phase, in order
     limits: SchedulerConfig  # the limits that run (engine.limits)
+    speculative: SpeculativeConfig | None = None  # speculative decoding's configuration (None: off)
 
 
 def describe(engine) -> EngineDescription:
@@ -143,4 +146,4 @@ def describe(engine) -> EngineDescription:
         executables=len(executables.compiled), compile_seconds=executables.wall_seconds,
         compile_seconds_summed=engine.compile_seconds, cache_hits=executables.cache_hits,
         loaded_from_store=executables.loaded_from_store, phase_seconds=dict(engine.startup_seconds),
-        limits=engine.limits)
+        limits=engine.limits, speculative=engine.config.speculative)
