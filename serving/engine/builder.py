@@ -105,7 +105,7 @@ def build(weights: ModelWeights, config: EngineConfig, report: Report,
             max_model_len=config.max_model_len, page_size=config.page_size,
             num_pages=page_pool.num_pages, max_queue=config.max_queue,
             vocab_size=model.vocab_size, max_top_logprobs=config.max_top_logprobs,
-            enable_prefix_caching=config.enable_prefix_caching))
+            enable_prefix_caching=config.enable_prefix_caching), config.speculative)
 
         def allocate_caches():
             return geometry.allocate(mesh, page_pool.num_pages)

@@ -25,6 +25,13 @@ the caller makes N's deltas, and N+1's sampler is launched at the start of the n
 before N+2 is scheduled, which reads its samples. The model's work still overlaps the
 host's; the sampler's launch, and the fill where it outlasts the caller's work, are what a
 constrained step adds (``StepCounters.mask_seconds``).
+
+Speculative decoding (``speculative.py``): a draft must follow tokens the host knows, and a
+request verifying one cannot be scheduled again until its commit says how much of the draft
+was kept. A turn in which the scheduler may draft (``Scheduler.would_speculate``: few
+enough requests run), or whose step in flight verifies a draft, therefore schedules after
+the commit, as without ``async_scheduling``; above ``disable_by_batch_size`` running
+requests the engine schedules ahead again.
 """
 
 from __future__ import annotations
@@ -174,7 +181,8 @@ class Engine:
                 mask_fills=counters.mask_fills, masked_rows=counters.masked_rows, mask_seconds=counters.mask_seconds,
                 **({} if (compiler := self.grammar_compiler) is None else dict(
                     compiles=compiler.compiles, cache_hits=compiler.cache_hits,
-                    compile_seconds=compiler.compile_seconds))))
+                    compile_seconds=compiler.compile_seconds))),
+            speculative=scheduler.spec_tally.frozen())
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
                     grammar: CompiledGrammar | None = None) -> Request:
@@ -264,13 +272,17 @@ class Engine:
             if self._in_flight is None:
                 return PipelineTurn(tuple(launched), None, tuple(failed)) if failed else None
         # (an interrupt while launching the next step leaves the current one in flight)
-        following = self._launch_noting(launched, failed) if self.config.async_scheduling else None
+        # A turn that may speculate schedules after the commit: a draft follows tokens the host
+        # knows, and a request verifying one cannot be scheduled again before its commit.
+        ahead = self.config.async_scheduling and not (self._in_flight.scheduled.speculative
+                                                      or self.scheduler.would_speculate)
+        following = self._launch_noting(launched, failed) if ahead else None
         current, self._in_flight = self._in_flight, following
         try:
             finished = self.finish_step(current)
         except StepFailed as failure:
             return PipelineTurn(tuple(launched), None, (*failed, failure))
-        if not self.config.async_scheduling:
+        if not ahead:
             self._in_flight = self._launch_noting(launched, failed)
         return PipelineTurn(tuple(launched), finished, tuple(failed))
 
@@ -300,7 +312,7 @@ class Engine:
         if scheduled is None:
             return None
         try:
-            bucket = self.executables.ladder.pick(scheduled.num_tokens, len(scheduled.requests))
+            bucket = self.executables.ladder.pick(scheduled.num_tokens, scheduled.num_rows)
             mode = self.policy.choose(*bucket)
             if not scheduled.constrained:
                 return self.runner.launch(scheduled, mode, bucket, start)
@@ -358,7 +370,7 @@ class Engine:
     def _mask_rows(scheduled) -> list:
         """``(grammar state, row)`` of ``scheduled``'s constrained rows whose requests are still
         live (a row of a request that ended or was preempted since allows every token)."""
-        return [(scheduled.requests[b].grammar, b) for b in scheduled.constrained
+        return [(scheduled.requests[b].grammar, scheduled.row_of(b)) for b in scheduled.constrained
                 if not scheduled.requests[b].finished
                 and scheduled.requests[b].preemptions == scheduled.preemptions[b]]
 

@@ -10,6 +10,14 @@ the host prepares step N+1 while the devices run N). A request that samples in t
 uncommitted step then decodes its next position with a token the host does not know yet:
 ``ScheduledStep.token_source`` names the row of that step's result to take it from, on
 the device. Committing a step that a preemption or an abort overtook changes nothing.
+
+Speculative decoding (``speculative.py``): in a step scheduled while at most
+``disable_by_batch_size`` requests run, a decoding request whose last token the host
+knows asks the drafter for up to ``num_speculative_tokens`` more; the draft takes rows the
+step's sequence limit leaves after every running and waiting request has one, and tokens
+of the budget. The commit keeps the accepted prefix and the token sampled after it, and
+the request's computed length rolls back to them: the K/V written for the rejected rest is
+overwritten by later steps.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import time
 
 import numpy as np
 
@@ -25,84 +34,15 @@ from shiftjax.cache import pages_for
 from shiftjax.serving.engine.admission import check_admission
 from shiftjax.serving.engine.page_allocator import OutOfPages, PageAllocator
 from shiftjax.serving.engine.prefix_cache import PrefixCache, cache_key
+from shiftjax.serving.engine.request import Request, ScheduledStep
 from shiftjax.serving.engine.sampling_params import SamplingParams
+from shiftjax.serving.engine.speculative import Drafter, SpecDecodeTally, SpeculativeConfig, accepted_length
+
+__all__ = ["QueueFull", "Request", "ScheduledStep", "Scheduler", "SchedulerConfig"]
 
 
 class QueueFull(Exception):
     """The admission queue is at its bound; the caller answers RESOURCE_EXHAUSTED."""
-
-
-@dataclasses.dataclass(eq=False)  # identity, not field-by-field comparison, in queues
-class Request:
-    request_id: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    eos_token_ids: tuple[int, ...]
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    output_logprobs: list[float] = dataclasses.field(default_factory=list)
-    # per output token, when params.top_logprobs: ((token id, logprob), ...) most likely first
-    output_top_logprobs: list[tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=list)
-    pages: list[int] = dataclasses.field(default_factory=list)
-    num_computed: int = 0  # tokens whose K/V are in the cache (committed steps)
-    num_in_flight: int = 0  # tokens of scheduled steps not yet committed
-    num_pending: int = 0  # tokens sampled by uncommitted steps, not yet in output_ids
-    pending_source: tuple[int, int] | None = None  # (step id, row) of the latest such token
-    finish_reason: str | None = None
-    modes: list[str] = dataclasses.field(default_factory=list)  # mode of every step it ran in
-    preemptions: int = 0
-    # prefix caching (prefix_cache.py): the hash key of its cache salt, the block hashes of
-    # its full pages so far, how many of its pages are named, whether its first admission
-    # looked the cache up, and the prompt tokens that lookup found cached
-    cache_key: bytes = b""
-    block_hashes: list[bytes] = dataclasses.field(default_factory=list, repr=False)
-    num_registered: int = 0
-    prefix_checked: bool = False
-    num_cached_tokens: int = 0
-    # structured outputs (grammar.py): its place in its grammar, advanced by every commit
-    grammar: object | None = dataclasses.field(default=None, repr=False)
-    _page_array: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
-
-    def page_array(self) -> np.ndarray:
-        """``pages`` as int32, converted again only when pages were added (the scheduler
-        clears it when it frees them)."""
-        if self._page_array is None or len(self._page_array) != len(self.pages):
-            self._page_array = np.asarray(self.pages, np.int32)
-        return self._page_array
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    def token_slice(self, first: int, size: int) -> list[int]:
-        """``tokens[first:first + size]`` without building the whole list."""
-        prompt = len(self.prompt_ids)
-        head = self.prompt_ids[first:first + size]
-        return head + self.output_ids[max(first - prompt, 0):max(first + size - prompt, 0)]
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def num_scheduled(self) -> int:
-        """Tokens whose K/V are in the cache or on their way there: where the next chunk starts."""
-        return self.num_computed + self.num_in_flight
-
-    @property
-    def ends_in_flight(self) -> bool:
-        """A step in flight samples its last token (max_tokens): it ends at that commit."""
-        return self.num_pending > 0 and len(self.output_ids) + self.num_pending >= self.params.max_tokens
-
-    @property
-    def wants_decode(self) -> bool:
-        """Every token it has (pending ones included) but the last is scheduled, and it may
-        still grow: its next step is one decode token."""
-        return (self.num_scheduled == self.num_tokens + self.num_pending - 1
-                and len(self.output_ids) + self.num_pending < self.params.max_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,36 +72,14 @@ class SchedulerConfig:
         return pages_for(self.max_model_len, self.page_size)
 
 
-@dataclasses.dataclass
-class ScheduledStep:
-    """What one step computes: host arrays (unpadded sizes) and who gets a sampled token.
-
-    ``token_source[i]`` is -1 where ``batch.token_ids[i]`` is known, else the row of step
-    ``source_step``'s result whose sampled token goes there (that step was scheduled
-    just before this one and is not yet committed)."""
-
-    batch: StepBatch
-    num_tokens: int
-    requests: list[Request]
-    samples: list[bool]  # per request: is a token sampled for it this step
-    step_id: int = 0
-    token_source: np.ndarray | None = None  # [num_tokens] int32
-    source_step: int | None = None
-    preemptions: list[int] = dataclasses.field(default_factory=list)  # per request, when scheduled
-    delivered: list[bool] = dataclasses.field(default_factory=list)  # per request, set by commit
-    # rows that sample under a grammar, and whether one of them decodes a token of
-    # ``source_step``: its mask then needs that step committed first (core.py)
-    constrained: list[int] = dataclasses.field(default_factory=list)
-    masks_wait: bool = False
-
-    @property
-    def takes_sampled_tokens(self) -> bool:
-        return self.source_step is not None
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig):
+    """``speculative``: draft for decoding requests (its drafter is made here)."""
+
+    def __init__(self, config: SchedulerConfig, speculative: SpeculativeConfig | None = None):
         self.config = config
+        self.speculative = speculative
+        self.drafter: Drafter | None = None if speculative is None else speculative.make_drafter()
+        self.spec_tally = SpecDecodeTally(0 if speculative is None else speculative.num_speculative_tokens)
         self.allocator = PageAllocator(config.num_pages, caching=config.enable_prefix_caching)
         self.prefix_cache = PrefixCache(self.allocator, config.page_size)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -190,6 +108,7 @@ class Scheduler:
         string matched: ``reason`` is its finish reason unless it already had one)."""
         request.finish_reason = request.finish_reason or reason
         self._release(request)
+        self._ended(request)
         if request in self.waiting:
             self.waiting.remove(request)
 
@@ -197,20 +116,49 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def would_speculate(self) -> bool:
+        """Whether a step scheduled now may draft: speculation is on, the running requests are
+        not above ``disable_by_batch_size``, and one of them could take a draft if the step
+        before it were committed (the engine then schedules after that commit)."""
+        spec = self.speculative
+        if spec is None or (spec.disable_by_batch_size is not None
+                            and len(self.running) > spec.disable_by_batch_size):
+            return False
+        return any(not r.params.disable_speculation and r.grammar is None for r in self.running)
+
     def schedule(self) -> ScheduledStep | None:
         budget = self.config.max_num_batched_tokens
         chunks: list[tuple[Request, int]] = []
+        drafts: dict[int, list[int]] = {}  # id(request) -> its draft
         self._chunks = chunks  # requests already in this step are never preempted
+        # rows a draft may take: those the step's sequence limit leaves once every running and
+        # waiting request has one (a draft never delays an admission)
+        spare_rows = self.config.max_num_seqs - len(self.running) - len(self.waiting)
+        speculating = self.would_speculate and spare_rows > 0
+        draft_started = time.perf_counter()
         # Decodes first (each needs one token), oldest first; preempt the newest on shortage.
         for request in list(self.running):
             if request not in self.running or not request.wants_decode:
                 continue
             if budget == 0:
                 break
-            if not self._reserve(request, 1):
+            draft = []
+            if speculating and spare_rows > 0 and budget > 1 and request.may_speculate:
+                room = min(self.speculative.num_speculative_tokens, spare_rows, budget - 1,
+                           request.params.max_tokens - len(request.output_ids) - 1)
+                draft = self.drafter.propose(request, room)[:room] if room > 0 else []
+            if draft and not self._reserve(request, 1 + len(draft), preempt=False):
+                draft = []  # a draft never preempts a request
+            if not self._reserve(request, 1 + len(draft)):
                 continue
-            chunks.append((request, 1))
-            budget -= 1
+            chunks.append((request, 1 + len(draft)))
+            if draft:
+                drafts[id(request)] = draft
+                spare_rows -= len(draft)
+            budget -= 1 + len(draft)
+        if speculating:
+            self.spec_tally.draft_seconds += time.perf_counter() - draft_started
         # Then prefill: running requests mid-prompt, then admissions from the queue.
         candidates = [r for r in self.running if r.num_scheduled < r.num_tokens - 1]
         for request in candidates:
@@ -236,7 +184,7 @@ class Scheduler:
             budget -= size
         if not chunks:
             return None
-        return self._build(chunks)
+        return self._build(chunks, drafts)
 
     def _reserve(self, request: Request, new_tokens: int, preempt: bool = True) -> bool:
         """Makes sure the pages for ``new_tokens`` more tokens exist, preempting if allowed."""
@@ -283,6 +231,10 @@ class Scheduler:
         request.pending_source = None
         self.waiting.appendleft(request)
 
+    def _ended(self, request: Request) -> None:
+        if self.drafter is not None:
+            self.drafter.finish(request)
+
     def _release(self, request: Request) -> None:
         self.allocator.free(request.pages)
         request.pages = []
@@ -291,7 +243,7 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
 
-    def _build(self, chunks: list[tuple[Request, int]]) -> ScheduledStep:
+    def _build(self, chunks: list[tuple[Request, int]], drafts: dict[int, list[int]]) -> ScheduledStep:
         """The step's host batch. Per request only Python scalars and lists are gathered;
         the arrays are filled with a few whole-array operations (per-request numpy work cost
         ~8 us a request: 0.57 ms for 64 decoding sequences, benchmarks/scheduler_host.py)."""
@@ -302,56 +254,63 @@ class Scheduler:
             raise RuntimeError(f"a step would take sampled tokens from steps {sorted(sources)}: "
                                "schedule at most one step ahead of the last commit")
         requests = [request for request, _ in chunks]
-        sizes = np.array([size for _, size in chunks], np.int64)
+        step_drafts = [drafts.get(id(request), []) for request in requests]
         # What the whole-array fill below relies on (every schedule() path keeps both): a
         # chunk of no tokens would shift every later row's tokens, a request twice in one
         # step would be given two sequence rows over the same pages. A raise is a bug in
         # schedule(), which has reserved the step's pages by now.
-        if len(chunks) and int(sizes.min()) < 1:
-            raise RuntimeError(f"a step's chunk has {int(sizes.min())} tokens; each must have at least one")
+        if len(chunks) and min(size for _, size in chunks) < 1:
+            raise RuntimeError(f"a step's chunk has {min(size for _, size in chunks)} tokens; each must have at least one")
         if len({id(request) for request in requests}) != len(requests):
             raise RuntimeError("a request appears twice in one step")
         step_id = next(self._step_ids)
+        # rows: one per request, or 1 + k of one token each for a request with a draft of k
+        rows_of = [1 + len(draft) if draft else 1 for draft in step_drafts]
+        row_request = np.repeat(np.arange(len(chunks)), rows_of)
+        first_row = np.cumsum(rows_of) - rows_of
         firsts = np.array([request.num_scheduled for request in requests], np.int64)
-        num_tokens = int(sizes.sum())
-        batch = empty_batch(num_tokens, len(chunks), self.config.max_pages_per_seq)
-        ends = np.cumsum(sizes)
+        row_sizes = np.array([1 if draft else size for (_, size), draft in zip(chunks, step_drafts)], np.int64)
+        row_firsts = firsts[row_request] + np.arange(len(row_request)) - first_row[row_request]
+        row_sizes = row_sizes[row_request]
+        num_tokens, num_rows = int(row_sizes.sum()), len(row_request)
+        batch = empty_batch(num_tokens, num_rows, self.config.max_pages_per_seq)
+        ends = np.cumsum(row_sizes)
         batch.query_start[1:] = ends
-        batch.seq_lens[:] = firsts + sizes
-        if num_tokens == len(chunks):  # decodes only: token i is sequence i's next position
-            row, positions = np.arange(num_tokens), firsts
-        else:  # token i belongs to sequence row[i], at firsts[row] + (i - its chunk's start)
-            row = np.repeat(np.arange(len(chunks)), sizes)
-            positions = firsts[row] + np.arange(num_tokens) - (ends - sizes)[row]
+        batch.seq_lens[:] = row_firsts + row_sizes
+        if num_tokens == num_rows:  # one token a row: token i is row i's next position
+            row, positions = np.arange(num_tokens), row_firsts
+        else:  # token i belongs to row[i], at row_firsts[row] + (i - its row's start)
+            row = np.repeat(np.arange(num_rows), row_sizes)
+            positions = row_firsts[row] + np.arange(num_tokens) - (ends - row_sizes)[row]
         batch.positions[:] = positions
-        page_arrays = [request.page_array() for request in requests]
+        page_arrays = [requests[j].page_array() for j in row_request]
         num_pages = np.array([len(pages) for pages in page_arrays])
         # row b's pages at flat offsets b * max_pages + 0..len-1 (cost in real pages, not rows x max_pages)
-        starts = np.repeat(np.arange(len(chunks)) * batch.page_table.shape[1] - (np.cumsum(num_pages) - num_pages),
+        starts = np.repeat(np.arange(num_rows) * batch.page_table.shape[1] - (np.cumsum(num_pages) - num_pages),
                            num_pages)
         batch.page_table.reshape(-1)[starts + np.arange(int(num_pages.sum()))] = np.concatenate(page_arrays)
         batch.slot_mapping[:] = batch.page_table[row, positions // page_size] * page_size + positions % page_size
         token_ids, token_source = [], np.full(num_tokens, -1, np.int32)
         samples, sampled_rows, sampled_params = [], [], []
         constrained, masks_wait = [], False
-        for b, (request, size) in enumerate(chunks):
-            first = int(firsts[b])
-            known = request.token_slice(first, size)
+        for b, ((request, size), draft) in enumerate(zip(chunks, step_drafts)):
+            first, last_row = int(firsts[b]), int(first_row[b]) + rows_of[b] - 1
+            known = request.token_slice(first, size - len(draft)) + draft
             token_ids += known
             decodes_pending = len(known) < size
             if decodes_pending:  # a decode of the token the uncommitted step samples
                 token_ids += [0] * (size - len(known))
-                token_source[int(ends[b]) - 1] = request.pending_source[1]
-            reaches_end = first + size == request.num_tokens + request.num_pending
+                token_source[int(ends[last_row]) - 1] = request.pending_source[1]
+            reaches_end = first + size - len(draft) == request.num_tokens + request.num_pending
             samples.append(reaches_end)
             if reaches_end:
                 if request.grammar is not None:
                     constrained.append(b)
                     masks_wait = masks_wait or decodes_pending
-                sampled_rows.append(b)
-                sampled_params.append(request.params)
+                sampled_rows += range(int(first_row[b]), last_row + 1)
+                sampled_params += [request.params] * rows_of[b]
                 request.num_pending += 1
-                request.pending_source = (step_id, b)
+                request.pending_source = (step_id, int(first_row[b]))
             request.num_in_flight += size
         batch.token_ids[:] = token_ids
         if sampled_rows:
@@ -359,53 +318,81 @@ class Scheduler:
             batch.sample_index[sampled_rows] = ends[sampled_rows] - 1
             for name in SAMPLING_FIELDS:
                 getattr(batch, name)[sampled_rows] = [getattr(params, name) for params in sampled_params]
+        speculative = any(step_drafts)
         return ScheduledStep(batch, num_tokens, requests, samples, step_id=step_id,
                              token_source=token_source, source_step=next(iter(sources), None),
                              preemptions=[r.preemptions for r in requests], constrained=constrained,
-                             masks_wait=masks_wait)
+                             masks_wait=masks_wait, first_row=first_row.tolist() if speculative else None,
+                             drafts=step_drafts if speculative else None)
 
     def commit(self, step: ScheduledStep, tokens, logprobs, mode: str, top_ids=None, top_logprobs=None
                ) -> list[Request]:
-        """Records a step's results; returns the requests that finished with it.
+        """Records a step's results (per row of its batch); returns the requests that
+        finished with it.
 
         Steps are committed in the order they were scheduled. A request that finished
         (aborted, or its end came in an earlier step) or was preempted since the step was
-        scheduled takes nothing from it; ``step.delivered`` says who took a token.
-        ``top_ids``/``top_logprobs`` (``[seqs, K]``, most likely first) give the alternatives
+        scheduled takes nothing from it; ``step.delivered`` says who took a token (or
+        tokens: a verified draft gives its accepted prefix and the token sampled after it).
+        ``top_ids``/``top_logprobs`` (``[rows, K]``, most likely first) give the alternatives
         of the requests that asked for ``top_logprobs``."""
         finished = []
         step.delivered = [False] * len(step.requests)
         for b, request in enumerate(step.requests):
             if request.finished or request.preemptions != step.preemptions[b]:
                 continue
-            size = int(step.batch.query_start[b + 1] - step.batch.query_start[b])
-            request.num_computed += size
-            request.num_in_flight -= size
+            row = step.row_of(b)
+            size = int(step.batch.query_start[row + 1] - step.batch.query_start[row])
+            draft = step.drafts[b] if step.drafts is not None else []
+            request.num_in_flight -= (size + len(draft)) if draft else size
             request.modes.append(mode)
-            self.prefix_cache.register(request)
             if not step.samples[b]:
+                request.num_computed += size
+                self.prefix_cache.register(request)
                 continue
             request.num_pending -= 1
             if request.num_pending == 0:
                 request.pending_source = None
             step.delivered[b] = True
-            token = int(tokens[b])
-            request.output_ids.append(token)
-            request.output_logprobs.append(float(logprobs[b]))
-            wanted = request.params.top_logprobs
-            if wanted and top_ids is not None:
-                request.output_top_logprobs.append(
-                    tuple(zip(top_ids[b, :wanted].tolist(), top_logprobs[b, :wanted].tolist())))
-            if token in request.eos_token_ids or token in request.params.stop_token_ids:
-                # an errored grammar allows only the end: that is no complete output
-                request.finish_reason = "error" if request.grammar is not None and request.grammar.failed else "stop"
-            elif request.grammar is not None and not request.grammar.accept(token):
-                request.finish_reason = "error"  # a token its mask forbids: a bug, not the client's
-            elif request.grammar is not None and request.grammar.terminated:
-                request.finish_reason = "stop"  # the grammar is complete and allows nothing more
-            elif len(request.output_ids) >= request.params.max_tokens:
-                request.finish_reason = "length"
+            if not draft:
+                request.num_computed += size
+                self._deliver(request, int(tokens[row]), float(logprobs[row]), _row(top_ids, row), _row(top_logprobs, row))
+            else:
+                kept = accepted_length(draft, [int(t) for t in tokens[row:row + 1 + len(draft)]])
+                self.spec_tally.count(len(draft), kept)
+                # the K/V of its last token and of each kept draft token are the request's; the
+                # rest rolls back (later steps overwrite it)
+                for r in range(row, row + 1 + kept):
+                    request.num_computed += 1
+                    if self._deliver(request, int(tokens[r]), float(logprobs[r]), _row(top_ids, r),
+                                     _row(top_logprobs, r)):
+                        break
+            self.prefix_cache.register(request)
             if request.finished:
                 self._release(request)
+                self._ended(request)
                 finished.append(request)
         return finished
+
+    @staticmethod
+    def _deliver(request: Request, token: int, logprob: float, top_ids, top_logprobs) -> bool:
+        """Appends one sampled token to ``request``; whether it ends the request."""
+        request.output_ids.append(token)
+        request.output_logprobs.append(logprob)
+        wanted = request.params.top_logprobs
+        if wanted and top_ids is not None:
+            request.output_top_logprobs.append(tuple(zip(top_ids[:wanted].tolist(), top_logprobs[:wanted].tolist())))
+        if token in request.eos_token_ids or token in request.params.stop_token_ids:
+            # an errored grammar allows only the end: that is no complete output
+            request.finish_reason = "error" if request.grammar is not None and request.grammar.failed else "stop"
+        elif request.grammar is not None and not request.grammar.accept(token):
+            request.finish_reason = "error"  # a token its mask forbids: a bug, not the client's
+        elif request.grammar is not None and request.grammar.terminated:
+            request.finish_reason = "stop"  # the grammar is complete and allows nothing more
+        elif len(request.output_ids) >= request.params.max_tokens:
+            request.finish_reason = "length"
+        return request.finished
+
+
+def _row(array, row: int):
+    return None if array is None else array[row]

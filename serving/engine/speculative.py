@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 SPECULATIVE_METHODS = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
 
 
+@runtime_checkable
 class DraftSource(Protocol):
     """What a drafter reads of a request (``scheduler.Request`` is one)."""
 
@@ -38,6 +39,7 @@ class DraftSource(Protocol):
     output_ids: list[int]
 
 
+@runtime_checkable
 class Drafter(Protocol):
     def propose(self, request: DraftSource, max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` tokens that may follow ``request``'s tokens (maybe none)."""
