@@ -243,7 +243,8 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
 
-    def _build(self, chunks: list[tuple[Request, int]], drafts: dict[int, list[int]]) -> ScheduledStep:
+    def _build(self, chunks: list[tuple[Request, int]], drafts: dict[int, list[int]] | None = None
+               ) -> ScheduledStep:
         """The step's host batch. Per request only Python scalars and lists are gathered;
         the arrays are filled with a few whole-array operations (per-request numpy work cost
         ~8 us a request: 0.57 ms for 64 decoding sequences, benchmarks/scheduler_host.py)."""
@@ -254,7 +255,7 @@ class Scheduler:
             raise RuntimeError(f"a step would take sampled tokens from steps {sorted(sources)}: "
                                "schedule at most one step ahead of the last commit")
         requests = [request for request, _ in chunks]
-        step_drafts = [drafts.get(id(request), []) for request in requests]
+        step_drafts = [(drafts or {}).get(id(request), []) for request in requests]
         # What the whole-array fill below relies on (every schedule() path keeps both): a
         # chunk of no tokens would shift every later row's tokens, a request twice in one
         # step would be given two sequence rows over the same pages. A raise is a bug in
