@@ -45,7 +45,8 @@ SCRIPTS = {"shift_x2.py": (["--smoke", "--engine-variants", "shipped,in_step_sam
            "decode_anatomy.py": (["--smoke", "--seqs", "8", "--gemm-rows", "8"], "decode_anatomy.json"),
            "decode_gemm_sweep.py": (["--smoke"], "decode_gemm_sweep.json"),
            "hostile_clients.py": (["--smoke"], "hostile_clients.json"),
-           "structured_outputs.py": (["--smoke"], "structured_outputs.json")}
+           "structured_outputs.py": (["--smoke"], "structured_outputs.json"),
+           "speculative_step.py": (["--smoke"], "speculative_step.json")}
 # restore_gpu.py --smoke runs in tests/test_sharded_restore.py, which checks its phases' results
 SMOKED_ELSEWHERE = {"restore_gpu.py"}
 SLOW = {"shift_x2.py", "x8_checks.py", "hostile_clients.py"}  # about a minute of wall clock each on a 2-core machine
@@ -162,6 +163,10 @@ def test_script_smoke(script, tmp_path):
     if script == "one_shot_all_reduce.py":  # (psum alone on the CPU) both devices hold the same sum
         sums = [row for key, row in data.items() if ":rows" in key and ":chain" not in key]
         assert len(sums) == 8 and all(row["devices_agree"] and row["repeats_agree"] for row in sums), data
+    if script == "speculative_step.py":  # both layouts timed, the ratio to one token a sequence
+        assert {(r["layout"], r["tokens_per_seq"]) for r in data["steps"]} == {
+            ("rows", 1), ("rows", 2), ("rows", 3), ("chunk", 2), ("chunk", 3)}
+        assert all(r["ms"] > 0 and r["ratio_to_one"] > 0 for r in data["steps"])
     if script == "exchange_bandwidth.py":  # every exchange size timed (XLA's alone on the CPU)
         assert len(data) == 7 and all(row["nccl"]["us"] > 0 for row in data.values())
     if script == "hostile_clients.py":  # issue 31: no 5xx, nothing lost, a clean drain

@@ -39,15 +39,17 @@ def run(tokenizer, ids, params, chunks, stream):
             if request.finished:
                 break
         i += size
+        taken = output.sent
         delta = output.update(request)
-        assert delta.token_ids == tuple(request.output_ids[len(request.output_ids) - len(delta.token_ids):])
+        # the step's tokens, up to the one that completes a stop string (a verified draft's several)
+        assert delta.token_ids == tuple(request.output_ids[taken:output.sent])
         pieces.append(delta.text)
         if delta.finish_reason is not None:
             request.finish_reason = request.finish_reason or "abort"
             assert output.update(request).text == ""  # nothing after the end
             break
         assert not request.finished  # an end the engine made is always reported
-    return "".join(pieces), output.finish_reason, output.stop_reason, request.output_ids
+    return "".join(pieces), output.finish_reason, output.stop_reason, request.output_ids[:output.sent]
 
 
 def test_streamed_and_offline_outputs_agree(tokenizer):
@@ -74,6 +76,8 @@ def test_streamed_and_offline_outputs_agree(tokenizer):
         matched = [s for s in stop if s in decoded]
         if matched:  # a stop string ends the text before it, whatever else ended the request
             assert (text, reason, stop_reason) == (decoded[:decoded.find(matched[0])], "stop", matched[0])
+            # and the output at the token that completes it, however many the step delivered
+            assert not any(s in tokenizer.decode(delivered[:-1]) for s in stop)
         else:
             assert text == decoded
             last = delivered[-1]

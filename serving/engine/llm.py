@@ -16,7 +16,8 @@ from shiftjax.serving.engine.core import Engine, EngineConfig
 from shiftjax.serving.engine.grammar import GrammarCompiler
 from shiftjax.serving.engine.output_processor import OutputProcessor
 from shiftjax.serving.engine.sampling_params import SamplingParams
-from shiftjax.serving.engine.scheduler import Request
+from shiftjax.serving.engine.request import Request
+from shiftjax.serving.engine.speculative import SpeculativeConfig
 
 
 @dataclasses.dataclass
@@ -41,7 +42,8 @@ class LLM:
     prepared on first use); with ``load_format="dummy"``, a Hugging Face ``config.json``
     whose shape gets random weights (``tokenizer``: a directory with ``tokenizer.json``,
     default the default model's). Engine options (``max_model_len``, ``mode``, buckets,
-    ``num_pages``, ``enable_prefix_caching``...) are the fields of :class:`EngineConfig`;
+    ``num_pages``, ``enable_prefix_caching``, ``speculative``: a :class:`SpeculativeConfig` or
+    the dict of its fields...) are the fields of :class:`EngineConfig`;
     ``report(message)`` receives start-up progress (page pool, compiles).
     """
 
@@ -61,6 +63,8 @@ class LLM:
         self.tokenizer = load_tokenizer(tokenizer_path_for(model, load_format, tokenizer))
         eos = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.config.eos_token_ids))
         grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.config.vocab_size, eos)
+        if isinstance(engine_options.get("speculative"), dict):  # as vLLM's speculative_config
+            engine_options["speculative"] = SpeculativeConfig(**engine_options["speculative"])
         self.engine = Engine(self.weights, EngineConfig(**engine_options), eos_token_ids=eos, report=report,
                              grammar_compiler=grammars)
 
@@ -105,8 +109,10 @@ class LLM:
             raise
         outputs = self._run(requests)
         return [
-            Completion(prompt_ids=r.prompt_ids, output_ids=r.output_ids, text=outputs[r][0],
-                       finish_reason=outputs[r][1].finish_reason, logprobs=r.output_logprobs, modes=r.modes,
+            # (to what the output processor took: a stop string can end it inside a step's tokens)
+            Completion(prompt_ids=r.prompt_ids, output_ids=r.output_ids[:outputs[r][1].sent], text=outputs[r][0],
+                       finish_reason=outputs[r][1].finish_reason, logprobs=r.output_logprobs[:outputs[r][1].sent],
+                       modes=r.modes,
                        stop_reason=outputs[r][1].stop_reason, cached_tokens=r.num_cached_tokens)
             for r in requests
         ]

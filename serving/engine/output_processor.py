@@ -60,9 +60,21 @@ class OutputProcessor:
         if self.finish_reason is not None:
             return OutputDelta((), "")
         new_ids = request.output_ids[self.sent:]
-        self.sent = len(request.output_ids)
         detokenizer = self._detokenizer
-        text = "" if detokenizer is None else detokenizer.push(new_ids)
+        if detokenizer is None:
+            text = ""
+        elif detokenizer.stop and len(new_ids) > 1:
+            # a step's several tokens (a verified draft) go in one by one: the output ends with
+            # the token that completes a stop string, as it does without speculation
+            text = ""
+            for i, token in enumerate(new_ids):
+                text += detokenizer.push([token])
+                if detokenizer.stopped is not None:
+                    new_ids = new_ids[:i + 1]
+                    break
+        else:
+            text = detokenizer.push(new_ids)
+        self.sent += len(new_ids)
         if request.finished and (detokenizer is None or detokenizer.stopped is None):
             # the end: what the detokenizer held (in which a stop string may yet match)
             text += self._decode(request.output_ids) if detokenizer is None else detokenizer.finish()
