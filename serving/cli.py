@@ -50,7 +50,7 @@ def prepare_default_main(argv: list[str]) -> int:
 
 
 def _parse_generate(argv: list[str]) -> argparse.Namespace:
-    from shiftjax.serving.engine.engine_args import add_engine_arguments
+    from shiftjax.serving.engine.engine_args import add_engine_arguments, engine_arguments_error
 
     parser = argparse.ArgumentParser(prog="shiftjax generate", description="Offline batched generation.")
     parser.add_argument("prompts", nargs="*", metavar="PROMPT")
@@ -79,6 +79,8 @@ def _parse_generate(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.prompts and not args.prompt_ids:
         parser.error("give at least one PROMPT or --prompt-ids")
+    if error := engine_arguments_error(args):
+        parser.error(error)
     return args
 
 
@@ -142,11 +144,14 @@ def generate_main(argv: list[str]) -> int:
         return 0
     generated = sum(len(c.output_ids) for c in completions)
     executables = llm.engine.executables
+    snapshot = llm.engine.snapshot()
     summary = (f"mesh sp={args.sp} tp={args.tp} on {jax.devices()[0].platform}; load+compile "
                f"{ready - start:.1f} s ({len(executables.compiled)} executables compiled in "
                f"{llm.compile_seconds:.1f} s summed, {executables.cache_hits} from the compilation cache); "
-               f"generated {generated} tokens in {done - ready:.2f} s; steps {llm.engine.snapshot().steps}, "
-               f"mode switches {llm.engine.snapshot().switches}")
+               f"generated {generated} tokens in {done - ready:.2f} s; steps {snapshot.steps}, "
+               f"mode switches {snapshot.switches}")
+    if args.speculative_method is not None:
+        summary += f"; {speculation_summary(args.speculative_method, snapshot.speculative)}"
     for completion in completions:
         if args.json:
             print(json.dumps(completion.to_json()))
@@ -154,6 +159,13 @@ def generate_main(argv: list[str]) -> int:
             print(f"--- {llm.tokenizer.decode(completion.prompt_ids)!r}\n{completion.text}\n")
     print(summary, file=sys.stderr)
     return 0
+
+
+def speculation_summary(method: str, counters) -> str:
+    """What speculative decoding did (``counters``: a ``SpecDecodeCounters``), in one clause."""
+    return (f"speculative decoding ({method}): {counters.num_drafts} drafts, {counters.num_accepted_tokens} of "
+            f"{counters.num_draft_tokens} draft tokens accepted ({counters.acceptance_rate:.0%}), mean accepted "
+            f"length {counters.mean_accepted_length:.2f}")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ def test_sp2_tp2_alternate_gives_the_single_device_tokens():
     (["--prompt-ids", "1,x,3"], "comma-separated integers"),
     (["--regex", "[0-9", "hi"], "structured_outputs.regex: does not compile"),
     (["--json-schema", "/nonexistent/schema.json", "hi"], "--json-schema: cannot read"),
+    (["--speculative-method", "ngram", "--num-speculative-tokens", "0", "hi"],
+     "--num-speculative-tokens must be in [1, 16], got 0"),
 ])
 def test_bad_input_is_one_clear_sentence(args, message):
     result = shiftjax("generate", "--cpu-devices", "1", *args)
@@ -127,3 +129,85 @@ def test_prefix_caching_is_on_unless_turned_off_on_generate_and_serve():
         assert EngineConfig(**engine_options(parse(["--no-enable-prefix-caching"]))).enable_prefix_caching is False
         assert engine_options(parse(["--no-enable-prefix-caching", "--enable-prefix-caching"]))[
             "enable_prefix_caching"] is True
+
+
+def _serve_and_generate_parsers():
+    """Each command's parse of engine options: (name, parse) with parse(argv) -> args."""
+    from shiftjax.serving.cli import _parse_generate
+    from shiftjax.serving.server.cli import _parser as serve_parser
+
+    return [("generate", lambda argv: _parse_generate(["hi", *argv])), ("serve", serve_parser().parse_args)]
+
+
+def test_speculative_flags_give_the_speculative_config_on_generate_and_serve():
+    from shiftjax.serving.engine.config import EngineConfig
+    from shiftjax.serving.engine.engine_args import engine_options
+    from shiftjax.serving.engine.speculative import SpeculativeConfig
+
+    for name, parse in _serve_and_generate_parsers():
+        assert engine_options(parse([]))["speculative"] is None, name
+        assert engine_options(parse(["--speculative-method", "ngram"]))["speculative"] == SpeculativeConfig("ngram")
+        options = engine_options(parse(["--speculative-method", "suffix", "--num-speculative-tokens", "5",
+                                        "--speculative-disable-by-batch-size", "none", "--suffix-max-depth", "32",
+                                        "--suffix-max-cached-requests", "10", "--suffix-min-token-prob", "0.25",
+                                        "--suffix-max-spec-factor", "2.5"]))
+        assert options["speculative"] == SpeculativeConfig(
+            "suffix", num_speculative_tokens=5, disable_by_batch_size=None, suffix_max_depth=32,
+            suffix_max_cached_requests=10, suffix_min_token_prob=0.25, suffix_max_spec_factor=2.5), name
+        assert EngineConfig(**options).speculative == options["speculative"]
+        ngram = engine_options(parse(["--speculative-method", "ngram", "--prompt-lookup-min", "1",
+                                      "--prompt-lookup-max", "3", "--speculative-disable-by-batch-size", "32"]))
+        assert ngram["speculative"] == SpeculativeConfig("ngram", prompt_lookup_min=1, prompt_lookup_max=3,
+                                                         disable_by_batch_size=32), name
+
+
+def test_speculative_help_shows_the_configs_defaults():
+    import dataclasses
+
+    from shiftjax.serving.engine.speculative import SpeculativeConfig
+    from shiftjax.serving.server.cli import _parser as serve_parser
+
+    text = " ".join(serve_parser().format_help().split())
+    defaults = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}
+    assert "--num-speculative-tokens K the most tokens a draft may have" in text
+    assert f"(default: {defaults['num_speculative_tokens']})" in text
+    assert f"('none': at any batch size) (default: {defaults['disable_by_batch_size']})" in text
+    assert f"the longest n-gram looked up (default: {defaults['prompt_lookup_max']})" in text
+
+
+SPECULATIVE_REFUSALS = [
+    (["--speculative-method", "ngram", "--num-speculative-tokens", "0"],
+     "--num-speculative-tokens must be in [1, 16], got 0"),
+    (["--speculative-method", "ngram", "--num-speculative-tokens", "x"],
+     "argument --num-speculative-tokens: invalid int value: 'x'"),
+    (["--speculative-method", "medusa"], "argument --speculative-method: invalid choice: 'medusa'"),
+    (["--num-speculative-tokens", "4"],
+     "--num-speculative-tokens: speculative decoding is off; give --speculative-method (ngram or suffix)"),
+    (["--suffix-max-depth", "8", "--speculative-disable-by-batch-size", "4"],
+     "--speculative-disable-by-batch-size, --suffix-max-depth: speculative decoding is off"),
+    (["--speculative-method", "ngram", "--prompt-lookup-min", "6"],
+     "need 1 <= --prompt-lookup-min <= --prompt-lookup-max, got 6 and 5"),
+    (["--speculative-method", "ngram", "--suffix-max-depth", "8"],
+     "--suffix-max-depth is an option of --speculative-method suffix, not ngram"),
+    (["--speculative-method", "suffix", "--prompt-lookup-max", "8"],
+     "--prompt-lookup-max is an option of --speculative-method ngram, not suffix"),
+    (["--speculative-method", "suffix", "--suffix-min-token-prob", "1.5"],
+     "--suffix-min-token-prob must be in [0, 1], got 1.5"),
+    (["--speculative-method", "ngram", "--speculative-disable-by-batch-size", "0"],
+     "--speculative-disable-by-batch-size must be positive"),
+    (["--speculative-method", "ngram", "--speculative-disable-by-batch-size", "many"],
+     "expected a number of requests or 'none', got 'many'"),
+]
+
+
+@pytest.mark.parametrize("argv,message", SPECULATIVE_REFUSALS, ids=[m[:40] for _, m in SPECULATIVE_REFUSALS])
+def test_a_bad_speculative_option_is_a_usage_error_naming_the_flag(argv, message, capsys):
+    from shiftjax.serving.cli import _parse_generate
+    from shiftjax.serving.server.cli import serve_main
+
+    for command in (lambda: _parse_generate(["hi", *argv]), lambda: serve_main(argv)):
+        with pytest.raises(SystemExit) as exited:
+            command()
+        assert exited.value.code == 2
+        error = capsys.readouterr().err
+        assert "error: " in error and message in error, error

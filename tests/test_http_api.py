@@ -77,6 +77,19 @@ def test_cache_salt_reaches_every_prompt_of_the_request(client, service):
     assert [request.cache_salt for request in service.submitted] == ["tenant-a", "tenant-a", "tenant-b"]
 
 
+def test_disable_speculation_reaches_every_prompt_of_the_request_and_defaults_to_off(client, service):
+    r = client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 1, "disable_speculation": True})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, "disable_speculation": True})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, "stream": True,
+                                                  "disable_speculation": False})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert [request.params.disable_speculation for request in service.submitted] == [True, True, True, False, False]
+
+
 def test_openai_defaults(client, service):
     client.post("/v1/completions", json={"prompt": "hi", "top_k": -1, "stop": "Q"})
     client.post("/v1/completions", json={"prompt": "hi"})
@@ -224,6 +237,9 @@ def test_eos_ends_the_reply_without_text(client):
     ({"cache_salt": 5}, "cache_salt"),
     ({"cache_salt": ["tenant"]}, "cache_salt"),
     ({"cache_salt": ""}, "cache_salt"),  # refused, as vLLM refuses it, rather than read as no salt
+    ({"disable_speculation": "yes"}, "disable_speculation"),
+    ({"disable_speculation": 1}, "disable_speculation"),  # strict: 1 is not a bool, as for stream
+    ({"disable_speculation": None}, "disable_speculation"),
 ])
 def test_completion_refusals_name_the_field(client, service, extra, param):
     r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4} | extra)
@@ -251,6 +267,8 @@ def test_completion_refusals_name_the_field(client, service, extra, param):
     ({"audio": {"voice": "x"}}, "audio"),
     ({"cache_salt": 1.5}, "cache_salt"),
     ({"cache_salt": {"tenant": "a"}}, "cache_salt"),
+    ({"disable_speculation": "true"}, "disable_speculation"),
+    ({"disable_speculation": [True]}, "disable_speculation"),
 ])
 def test_chat_refusals_name_the_field(client, extra, param):
     r = client.post("/v1/chat/completions", json={"messages": CHAT} | extra)

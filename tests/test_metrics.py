@@ -155,6 +155,36 @@ def test_structured_output_counters_are_read_from_stats_at_every_scrape():
         GrammarCounters(mask_fills=3, mask_seconds=0.5, compiles=1)
 
 
+def test_speculative_decoding_counters_are_read_from_stats_at_every_scrape():
+    from shiftjax.serving.engine.speculative import SpecDecodeCounters
+
+    current = {"stats": stats(speculative=SpecDecodeCounters(num_drafts=40, num_draft_tokens=120,
+                                                             num_accepted_tokens=70,
+                                                             accepted_per_position=(35, 22, 13), draft_seconds=0.25))}
+    m = Metrics(stats=lambda: current["stats"])
+    s = samples(m)
+    assert s[("shiftjax_spec_decode_num_drafts_total", ())] == 40
+    assert s[("shiftjax_spec_decode_num_draft_tokens_total", ())] == 120
+    assert s[("shiftjax_spec_decode_num_accepted_tokens_total", ())] == 70
+    assert s[("shiftjax_spec_decode_draft_seconds_total", ())] == 0.25
+    per_position = {labels: value for (name, labels), value in s.items()
+                    if name == "shiftjax_spec_decode_num_accepted_tokens_per_pos_total"}
+    assert per_position == {(("position", "0"),): 35, (("position", "1"),): 22, (("position", "2"),): 13}
+    assert "# TYPE shiftjax_spec_decode_num_accepted_tokens_per_pos_total counter" in m.render().decode()
+    current["stats"] = stats(speculative=SpecDecodeCounters(num_drafts=41, num_draft_tokens=123,
+                                                            num_accepted_tokens=72, accepted_per_position=(36, 23, 13)))
+    s = samples(m)
+    assert (s[("shiftjax_spec_decode_num_drafts_total", ())],
+            s[("shiftjax_spec_decode_num_accepted_tokens_per_pos_total", (("position", "1"),))]) == (41, 23)
+
+
+def test_an_engine_that_does_not_speculate_shows_zeros_and_no_positions():
+    s = samples(Metrics(stats=stats))
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "draft_seconds"):
+        assert s[(f"shiftjax_spec_decode_{name}_total", ())] == 0, name
+    assert not [key for key in s if key[0] == "shiftjax_spec_decode_num_accepted_tokens_per_pos_total"]
+
+
 def test_a_failing_stats_call_leaves_the_rest_of_the_scrape():
     m = Metrics(stats=lambda: 1 / 0)
     m.on_preemption()

@@ -317,6 +317,47 @@ def test_with_prefix_caching_off_nothing_is_cached_and_info_says_off():
         service.shutdown()
 
 
+def test_a_speculating_engine_counts_its_drafts_for_info_and_metrics_and_a_request_opts_out():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from shiftjax.serving.engine.speculative import SpeculativeConfig
+    from shiftjax.serving.server.metrics import Metrics
+
+    weights = shard_params(random_params(CONFIG, seed=5, scale=0.3), CONFIG, make_mesh(1, 1, jax.devices()[:1]))
+    config = EngineConfig(max_model_len=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=16, num_pages=40,
+                          token_buckets=(16,), seq_buckets=(4,), attention="reference", mode="tp",
+                          speculative=SpeculativeConfig("ngram", num_speculative_tokens=3))
+    service = AsyncEngineService(Engine(weights, config, eos_token_ids=CONFIG.eos_token_ids), CharTokenizer(),
+                                 model_name="tiny")
+    service.wait_ready(60)
+
+    async def tokens(**params):  # its greedy output repeats a bigram of its own: prompt lookup drafts
+        deltas = await collect(service.submit(request([30, 31, 32, 33, 34, 35], max_tokens=24, **params)))
+        return [t for d in deltas for t in d.token_ids]
+
+    try:
+        opted_out = asyncio.run(tokens(disable_speculation=True))
+        assert service.stats().speculative.num_drafts == 0
+        assert asyncio.run(tokens()) == opted_out  # greedy: the same tokens either way
+        counters = service.stats().speculative
+        assert counters.num_drafts > 0 and counters.num_draft_tokens >= counters.num_drafts
+        assert len(counters.accepted_per_position) == 3 and sum(counters.accepted_per_position) == \
+            counters.num_accepted_tokens
+        info = json.loads(json.dumps(service.info()))["speculative"]
+        assert (info["enabled"], info["method"], info["num_speculative_tokens"]) == (True, "ngram", 3)
+        assert (info["num_drafts"], info["num_accepted_tokens"], info["accepted_per_position"]) == \
+            (counters.num_drafts, counters.num_accepted_tokens, list(counters.accepted_per_position))
+        assert info["mean_accepted_length"] == pytest.approx(1 + counters.num_accepted_tokens / counters.num_drafts)
+        scraped = {(sample.name, tuple(sample.labels.values())): sample.value
+                   for family in text_string_to_metric_families(Metrics(stats=service.stats).render().decode())
+                   for sample in family.samples}
+        assert scraped[("shiftjax_spec_decode_num_drafts_total", ())] == counters.num_drafts
+        assert [scraped[("shiftjax_spec_decode_num_accepted_tokens_per_pos_total", (str(i),))] for i in range(3)] \
+            == list(counters.accepted_per_position)
+    finally:
+        service.shutdown()
+
+
 class GateObserver:
     """Holds the engine thread inside a step until released."""
 
@@ -543,6 +584,9 @@ def test_info_is_json_and_says_what_runs(service):
     assert list(info["startup"]["phase_seconds"]) == ["kv_cache", "executables", "samplers"]
     assert info["async_scheduling"] is True
     assert info["model_config"]["vocab_size"] == 96
+    # an engine that does not speculate says so; its counters stay at zero
+    assert (info["speculative"]["enabled"], info["speculative"]["method"], info["speculative"]["num_drafts"]) == \
+        (False, None, 0)
 
 
 def test_info_reports_the_limits_that_run(service):

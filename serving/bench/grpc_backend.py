@@ -4,7 +4,8 @@ Prompts go as ``prompt_ids``, with ``max_tokens`` the output length and ``ignore
 Every response carrying token ids is one output chunk (TTFT, then ITL gaps); the token
 count, the mode of every step and the prompt tokens the prefix cache had
 (``cached_prompt_tokens``) come from the last response's ``usage``. A run's ``cache_salt``
-goes with every request.
+goes with every request, and so does ``disable_speculation`` when the run asks for it; the
+server's speculative decoding counters are ``ServerInfo.speculative``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 import grpc
 
 from shiftjax.serving.bench.metrics import RequestRecord, StreamClock
+from shiftjax.serving.bench.speculation import SpeculationReading, reading_from_server_info
 from shiftjax.serving.proto.shiftjax.v1 import inference_pb2, inference_pb2_grpc
 
 # Large prompts (the Azure code trace reaches 7.4k tokens, 8 bytes each on the wire at
@@ -27,10 +29,11 @@ class GrpcBackend:
     name = "grpc"
 
     def __init__(self, server: str, *, api_key: str | None = None, cache_salt: str | None = None,
-                 json_schema: str | None = None):
+                 json_schema: str | None = None, disable_speculation: bool = False):
         self.server = server
         self.cache_salt = cache_salt or ""
         self.json_schema = json_schema
+        self.disable_speculation = disable_speculation
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._channel: grpc.aio.Channel | None = None
         self._stub: inference_pb2_grpc.InferenceServiceStub | None = None
@@ -52,13 +55,18 @@ class GrpcBackend:
         reply = await self._stub.ServerInfo(inference_pb2.ServerInfoRequest(), metadata=self._metadata)
         return MessageToDict(reply, preserving_proto_field_name=True)
 
+    async def speculation(self) -> SpeculationReading | None:
+        """The server's speculative decoding now (None from a server that does not say)."""
+        reply = await self._stub.ServerInfo(inference_pb2.ServerInfoRequest(), metadata=self._metadata)
+        return reading_from_server_info(reply)
+
     async def generate(self, record: RequestRecord, prompt_ids: list[int], clock=time.perf_counter, *,
                        keep_output_ids: bool = False) -> None:
         """Sends one request and fills ``record`` with what its stream showed (and the
         answer's token ids in ``record.output_ids`` with ``keep_output_ids``)."""
         request = inference_pb2.GenerateRequest(
             prompt_ids=prompt_ids, max_tokens=record.output_len, ignore_eos=True, temperature=0.0,
-            cache_salt=self.cache_salt,
+            cache_salt=self.cache_salt, disable_speculation=self.disable_speculation,
         )
         if self.json_schema is not None:
             request.structured_outputs.json_schema = self.json_schema

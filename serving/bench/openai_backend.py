@@ -6,7 +6,9 @@ has exactly that length. Every server-sent event whose first choice carries text
 as one output chunk (TTFT, then ITL gaps); the token count is the ``usage`` the server
 sends at the end of the stream (``stream_options.include_usage``), else the chunk count;
 its ``prompt_tokens_details.cached_tokens`` are the prompt tokens the prefix cache had (0
-when absent). A run's ``cache_salt`` (vLLM's field) goes with every request. A multi-turn
+when absent). A run's ``cache_salt`` (vLLM's field) goes with every request, and so does
+shiftjax's ``disable_speculation`` when the run asks for it; the server's speculative
+decoding counters are read from the same port's ``/metrics``. A multi-turn
 chat needs each answer's token ids: it asks for them with vLLM's ``return_token_ids``
 and reads each chunk's ``choices[0].token_ids``.
 """
@@ -19,6 +21,7 @@ import time
 import httpx
 
 from shiftjax.serving.bench.metrics import RequestRecord, StreamClock
+from shiftjax.serving.bench.speculation import SpeculationReading, reading_from_metrics
 
 
 class OpenAIBackend:
@@ -28,9 +31,11 @@ class OpenAIBackend:
     name = "openai"
 
     def __init__(self, server: str, *, model: str | None = None, api_key: str | None = None,
-                 endpoint: str = "/v1/completions", cache_salt: str | None = None, json_schema: str | None = None):
+                 endpoint: str = "/v1/completions", cache_salt: str | None = None, json_schema: str | None = None,
+                 disable_speculation: bool = False):
         self.cache_salt = cache_salt
         self.json_schema = json_schema
+        self.disable_speculation = disable_speculation
         self.base_url = server if server.startswith(("http://", "https://")) else f"http://{server}"
         self.model = model
         self.endpoint = endpoint
@@ -67,6 +72,14 @@ class OpenAIBackend:
         response.raise_for_status()
         return response.json()
 
+    async def speculation(self) -> SpeculationReading | None:
+        """The server's speculative decoding now, from ``/metrics`` (None when the port serves
+        no metrics, or none of speculative decoding's)."""
+        response = await self._client.get("/metrics")
+        if response.status_code != 200:
+            return None
+        return reading_from_metrics(response.text)
+
     async def generate(self, record: RequestRecord, prompt_ids: list[int], clock=time.perf_counter, *,
                        keep_output_ids: bool = False) -> None:
         """Sends one request and fills ``record`` with what its stream showed (and the
@@ -82,6 +95,8 @@ class OpenAIBackend:
         }
         if self.cache_salt:
             payload["cache_salt"] = self.cache_salt
+        if self.disable_speculation:
+            payload["disable_speculation"] = True
         if self.json_schema is not None:
             payload["response_format"] = {"type": "json_schema",
                                           "json_schema": {"name": "bench", "schema": json.loads(self.json_schema)}}

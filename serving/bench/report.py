@@ -56,6 +56,7 @@ def summary_lines(result: dict) -> list[str]:
     if summary.get("client_cpu_fraction", 0.0) > 0.8:
         lines.append(f"note: the client used {summary['client_cpu_fraction']:.0%} of a CPU: it may limit this run")
     lines += prefix_cache_lines(summary, row)
+    lines += speculative_lines(summary, row)
     if summary.get("mode_steps"):
         lines.append(" Steps per mode (request-steps) ".center(WIDTH, "-"))
         lines += [row(f"{mode}:", count) for mode, count in sorted(summary["mode_steps"].items())]
@@ -83,6 +84,22 @@ def prefix_cache_lines(summary: dict, row) -> list[str]:
         lines += [row(f"Turn {turn} median TTFT (ms):", stats["median_ms"])
                   for turn, stats in enumerate(summary["ttft_by_turn"])]
     return lines
+
+
+def speculative_lines(summary: dict, row) -> list[str]:
+    """The run's speculative decoding as the server counted it (vLLM's acceptance rate and
+    mean acceptance length), when the server speculates."""
+    speculative = summary.get("speculative")
+    if not speculative:
+        return []
+    return [" Speculative Decoding ".center(WIDTH, "-"),
+            row("Acceptance rate (%):", 100.0 * speculative["acceptance_rate"]),
+            row("Mean accepted length:", speculative["mean_accepted_length"]),
+            row("Drafts:", speculative["num_drafts"]),
+            row("Draft tokens:", speculative["num_draft_tokens"]),
+            row("Accepted tokens:", speculative["num_accepted_tokens"])] + [
+            row(f"Accepted at position {i} (% of drafts):", 100.0 * accepted / speculative["num_drafts"])
+            for i, accepted in enumerate(speculative["accepted_per_position"]) if speculative["num_drafts"]]
 
 
 def _rate_text(config: dict) -> str:

@@ -20,6 +20,7 @@ import numpy as np
 
 from shiftjax.serving.bench import metrics, prefix_cache_bound, prefix_workloads, workloads
 from shiftjax.serving.bench.report import print_summary_table, write_json
+from shiftjax.serving.bench.speculation import SpeculationReading, run_speculation
 
 BACKENDS = ("grpc", "openai")
 DATASETS = ("random", "trace", "hash-trace", "shared-prefix", "multi-turn")
@@ -54,6 +55,7 @@ class ServeBenchConfig:
     turn_len: int = 128  # multi-turn: tokens of each new user message
     cache_salt: str | None = None  # sent with every request: the server shares cached pages within a salt only
     json_schema: str | None = None  # sent with every request: its output is JSON valid under this schema
+    disable_speculation: bool = False  # sent with every request: none of them speculates
     request_rate: float = math.inf
     burstiness: float = 1.0
     max_concurrency: int | None = None
@@ -158,15 +160,16 @@ def make_backend(config: ServeBenchConfig):
         from shiftjax.serving.bench.openai_backend import OpenAIBackend
 
         return OpenAIBackend(config.server, model=config.model, api_key=api_key, cache_salt=config.cache_salt,
-                             json_schema=config.json_schema)
+                             json_schema=config.json_schema, disable_speculation=config.disable_speculation)
     from shiftjax.serving.bench.grpc_backend import GrpcBackend
 
-    return GrpcBackend(config.server, api_key=api_key, cache_salt=config.cache_salt, json_schema=config.json_schema)
+    return GrpcBackend(config.server, api_key=api_key, cache_salt=config.cache_salt, json_schema=config.json_schema,
+                       disable_speculation=config.disable_speculation)
 
 
 async def run_serve_bench(config: ServeBenchConfig, workload: Workload | None = None) -> dict:
     """Runs one workload and returns the result: config, server info, per-request records
-    and the summary."""
+    and the summary (with the run's speculative decoding when the server speculates)."""
     from shiftjax.serving.bench.load_generator import run_load
 
     workload = workload or build_workload(config)
@@ -178,11 +181,13 @@ async def run_serve_bench(config: ServeBenchConfig, workload: Workload | None = 
         except Exception as error:  # info is a courtesy for the result file, not the run
             server_info = {"error": f"{type(error).__name__}: {error}"}
         warmed = await warm_up(backend, workload, config.warmup_requests)
+        speculation_before = await read_speculation(backend)
         started_unix = time.time()  # to line the requests up with a server's step trace
         client_cpu = time.process_time()
         run = await run_load(backend, workload.requests, workload.prompts, workload.send_offsets,
                              max_concurrency=config.max_concurrency, progress=config.progress)
         client_cpu = time.process_time() - client_cpu
+        speculation_after = await read_speculation(backend)
     records, duration = run.records, run.duration_s
     summary = metrics.summarize(records, duration, slos, config.percentiles)
     summary["prefix_cache"] |= best_hit_rate(config, workload, run, warmed)
@@ -190,6 +195,8 @@ async def run_serve_bench(config: ServeBenchConfig, workload: Workload | None = 
     # may be what limits the run (and inflates ITL). With the server in the same process
     # (tests) this counts the server too.
     summary["client_cpu_fraction"] = client_cpu / duration
+    if (speculative := run_speculation(speculation_before, speculation_after)) is not None:
+        summary["speculative"] = speculative
     return {
         "label": config.label,
         "device": config.device,
@@ -222,6 +229,15 @@ def best_hit_rate(config: ServeBenchConfig, workload: Workload, run, warmed: lis
     return {"best_hit_rate": prefix_cache_bound.best_hit_rate(chains, lengths, config.cache_blocks, counted,
                                                               inserted),
             "block_size": block, "capacity_blocks": math.inf if config.cache_blocks is None else config.cache_blocks}
+
+
+async def read_speculation(backend) -> SpeculationReading | None:
+    """The server's speculative decoding counters now; None when it does not say or cannot
+    be read (a courtesy of the report, as the server info is, not a reason to fail the run)."""
+    try:
+        return await backend.speculation()
+    except Exception:  # noqa: BLE001 (gRPC's, httpx's and the parser's errors alike)
+        return None
 
 
 async def warm_up(backend, workload: Workload, count: int) -> list[int]:
@@ -275,6 +291,9 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sent with every request: the server shares cached prompt pages within one salt only")
     parser.add_argument("--json-schema", default=None, metavar="SCHEMA_OR_FILE",
                         help="sent with every request (structured outputs): inline JSON or a file")
+    parser.add_argument("--disable-speculation", action="store_true",
+                        help="sent with every request: none speculates on a server that speculates (the baseline "
+                             "of a speculative run against the same server)")
     parser.add_argument("--request-rate", type=float, default=math.inf,
                         help="requests per second (inf: all at once); multi-turn: conversations per second")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson, < 1 burstier")
@@ -309,7 +328,8 @@ def config_from_args(args: argparse.Namespace, server: str) -> ServeBenchConfig:
         max_input_len=args.max_input_len, max_output_len=args.max_output_len, block_size=args.block_size,
         cache_blocks=args.cache_blocks, prefix_len=args.prefix_len, suffix_len=args.suffix_len,
         conversations=args.conversations, turns=args.turns, turn_len=args.turn_len, cache_salt=args.cache_salt,
-        json_schema=_schema_text(args.json_schema), request_rate=args.request_rate,
+        json_schema=_schema_text(args.json_schema), disable_speculation=args.disable_speculation,
+        request_rate=args.request_rate,
         burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed,
         warmup_requests=args.warmup_requests, goodput=args.goodput,
         percentiles=[float(p) for p in args.percentiles.split(",")], tokenizer=args.tokenizer,

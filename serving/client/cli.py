@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     sampling.add_argument("--ignore-eos", action="store_true")
     sampling.add_argument("--cache-salt", default=None, metavar="SALT",
                           help="share cached prompt pages only with requests of this salt (a tenant's secret)")
+    sampling.add_argument("--disable-speculation", action="store_true",
+                          help="keep this request out of speculative decoding on a server that speculates")
     sampling.add_argument("--json", action="store_true", help="print each streamed response as a JSON line")
     constraint = sampling.add_mutually_exclusive_group()  # structured outputs: one at most
     constraint.add_argument("--json-schema", type=_json_schema, default=None, metavar="FILE_OR_JSON",
@@ -108,6 +110,8 @@ def _sampling_fields(args) -> dict:
               if getattr(args, name) is not None}
     if args.cache_salt is not None:
         fields["cache_salt"] = args.cache_salt
+    if args.disable_speculation:
+        fields["disable_speculation"] = True
     constraint = {name: getattr(args, name) for name in ("json_schema", "json_object", "regex", "choice", "grammar")
                   if getattr(args, name) not in (None, False)}
     if constraint:
@@ -154,6 +158,10 @@ def client_main(argv: list[str]) -> int:
                     info[key] = int(info.get(key, 0))
                 for key in ("steps_by_mode", "tokens_by_mode"):
                     info[key] = {mode: int(n) for mode, n in info.get(key, {}).items()}
+                if speculative := info.get("speculative"):
+                    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+                        speculative[key] = int(speculative.get(key, 0))
+                    speculative["accepted_per_position"] = [int(n) for n in speculative.get("accepted_per_position", ())]
                 print(json.dumps(info, indent=2))
                 return 0
             fields = _sampling_fields(args)

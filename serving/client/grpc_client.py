@@ -9,6 +9,8 @@ messages as the server produces them; ``complete`` collects one stream into a
 cached prompt pages only with requests of the same salt (``usage.cached_prompt_tokens`` says
 how many prompt tokens were found cached). ``structured_outputs`` constrains the output
 (:class:`StructuredOutputs`: a JSON schema, any JSON object, a regex, a choice or a grammar).
+``disable_speculation=True`` keeps the request out of speculative decoding on a server that
+speculates (``info().speculative`` says whether it does, and what it has accepted).
 Errors are ``grpc.RpcError`` with the server's status code and message.
 """
 

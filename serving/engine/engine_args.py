@@ -6,15 +6,21 @@ JAX is configured here, from arguments, before anything compiles: the platform (
 CPU devices), a multi-process mesh, and the persistent compilation cache (through
 ``jax.config``, not environment variables). The page pool is reported on stderr at start,
 and so is compile progress.
+
+Speculative decoding's options are :class:`SpeculativeConfig`'s fields, each a flag whose
+default is the dataclass's; a value it refuses, or an option without ``--speculative-method``,
+is a usage error naming the flag (:func:`engine_arguments_error`), never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 from shiftjax.serving.engine.policy import POLICIES
+from shiftjax.serving.engine.speculative import SPECULATIVE_METHODS, SpeculativeConfig  # imports no JAX
 
 LOAD_FORMATS = ("orbax", "dummy")
 
@@ -102,6 +108,91 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--executable-store", action="store_true",
                         help="also keep the compiled steps in DIR/executables, so that a warm start neither "
                              "traces nor lowers them (serving/engine/executable_store.py; one process only)")
+    add_speculative_arguments(parser)
+
+
+def _batch_size_limit(text: str) -> int | None:
+    """``--speculative-disable-by-batch-size``: a number of requests, or ``none`` (no limit)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of requests or 'none', got {text!r}") from None
+
+
+# SpeculativeConfig's fields besides the method, as flags: (flag, field, type, metavar, the
+# method it belongs to (None: both), help). Unset unless given (argparse.SUPPRESS), so that
+# an option given without --speculative-method, or for the other method, can be refused.
+SPECULATIVE_OPTIONS = (
+    ("--num-speculative-tokens", "num_speculative_tokens", int, "K", None,
+     "the most tokens a draft may have (a decoding request's step verifies up to 1 + K tokens)"),
+    ("--speculative-disable-by-batch-size", "disable_by_batch_size", _batch_size_limit, "N", None,
+     "no request speculates in a step scheduled while more than N requests run, where verification "
+     "costs more than it saves ('none': at any batch size)"),
+    ("--prompt-lookup-min", "prompt_lookup_min", int, "N", "ngram", "the shortest n-gram looked up"),
+    ("--prompt-lookup-max", "prompt_lookup_max", int, "N", "ngram", "the longest n-gram looked up"),
+    ("--suffix-max-depth", "suffix_max_depth", int, "N", "suffix", "the depth of the suffix trees"),
+    ("--suffix-max-cached-requests", "suffix_max_cached_requests", int, "N", "suffix",
+     "earlier requests whose outputs the global suffix tree holds"),
+    ("--suffix-min-token-prob", "suffix_min_token_prob", float, "P", "suffix",
+     "a draft ends where a token's estimated probability falls below P"),
+    ("--suffix-max-spec-factor", "suffix_max_spec_factor", float, "F", "suffix",
+     "a draft is at most F times as long as the match it continues"),
+)
+FLAG_OF_FIELD = {field: flag for flag, field, *_ in SPECULATIVE_OPTIONS}
+
+
+def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--speculative-method`` and its options (serving/engine/speculative.py)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}
+    group = parser.add_argument_group("speculative decoding", "draft-free speculation: drafts proposed on the "
+                                      "host from the request's own tokens (ngram) or from suffix trees over them and "
+                                      "over earlier outputs (suffix), verified in the step; the output is the same")
+    group.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
+                       help="ngram: prompt lookup; suffix: suffix decoding (default: no speculation)")
+    for flag, field, kind, metavar, method, help_text in SPECULATIVE_OPTIONS:
+        default = "none" if defaults[field] is None else defaults[field]
+        for_method = f"{method}: " if method else ""
+        group.add_argument(flag, dest=field, type=kind, metavar=metavar, default=argparse.SUPPRESS,
+                           help=f"{for_method}{help_text} (default: {default})")
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """The :class:`SpeculativeConfig` the flags give, None without ``--speculative-method``;
+    ValueError, its sentence naming the flags, for a value the config refuses, for an option
+    without ``--speculative-method`` and for an option of the other method."""
+    given = {field: getattr(args, field) for _, field, *_ in SPECULATIVE_OPTIONS if hasattr(args, field)}
+    method = args.speculative_method
+    if method is None:
+        if given:
+            raise ValueError(f"{', '.join(FLAG_OF_FIELD[f] for f in given)}: speculative decoding is off; "
+                             f"give --speculative-method ({' or '.join(SPECULATIVE_METHODS)}) to turn it on")
+        return None
+    for flag, field, _, _, belongs_to, _ in SPECULATIVE_OPTIONS:
+        if field in given and belongs_to not in (None, method):
+            raise ValueError(f"{flag} is an option of --speculative-method {belongs_to}, not {method}")
+    try:
+        return SpeculativeConfig(method=method, **given)
+    except ValueError as error:
+        raise ValueError(_in_flag_names(str(error))) from None
+
+
+def _in_flag_names(message: str) -> str:
+    """SpeculativeConfig's sentence with its field names spelled as the flags that set them."""
+    for field in sorted(FLAG_OF_FIELD, key=len, reverse=True):
+        message = message.replace(field, FLAG_OF_FIELD[field])
+    return message
+
+
+def engine_arguments_error(args: argparse.Namespace) -> str | None:
+    """Why the engine options cannot run as given, or None: for the commands to report as a
+    usage error (``parser.error``) before anything loads."""
+    try:
+        speculative_config(args)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def _id_list(text: str) -> tuple[int, ...]:
@@ -142,6 +233,7 @@ def engine_options(args: argparse.Namespace) -> dict:
                 token_buckets=args.token_buckets, seq_buckets=args.seq_buckets, num_pages=args.num_pages,
                 kv_memory_fraction=args.kv_memory_fraction, max_top_logprobs=args.max_top_logprobs,
                 async_scheduling=args.async_scheduling, enable_prefix_caching=args.enable_prefix_caching,
+                speculative=speculative_config(args),
                 executable_store=str(Path(args.compilation_cache or default_compilation_cache_dir()).absolute()
                                      / "executables") if args.executable_store else None)
 

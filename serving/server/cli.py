@@ -103,11 +103,12 @@ def _read_secrets(parser, args) -> tuple[tuple[bytes, bytes] | None, str | None]
 
 
 def serve_main(argv: list[str]) -> int:
+    from shiftjax.serving.engine.engine_args import engine_arguments_error
     from shiftjax.serving.server.service_args import data_parallel_error
 
     parser = _parser()
     args = parser.parse_args(argv)
-    if error := data_parallel_error(args):
+    if error := engine_arguments_error(args) or data_parallel_error(args):
         parser.error(error)
     tls, api_key = _read_secrets(parser, args)
     # Our own lines at INFO; libraries (absl via orbax logs every restore step) at WARNING.
@@ -271,3 +272,8 @@ def _log_startup(service, seconds: float) -> None:
              startup.get("cache_hits"), float(startup.get("compile_seconds") or 0.0))
     log.info("page pool: %s pages of %s tokens, %s free (%s)", pool.get("num_pages"), pool.get("page_size"),
              pool.get("free_pages"), pool.get("explanation") or pool.get("sized_by"))
+    if (speculative := info.get("speculative") or {}).get("enabled"):
+        limit = speculative.get("disable_by_batch_size")
+        log.info("speculative decoding: %s, drafts of up to %s tokens, %s", speculative.get("method"),
+                 speculative.get("num_speculative_tokens"),
+                 f"none in steps with more than {limit} running requests" if limit else "at any batch size")

@@ -77,6 +77,7 @@ from shiftjax.serving.server.service_info import (
     max_by_key,
     prefix_cache_info,
     replica_errors,
+    speculative_counts,
     structured_outputs_info,
     summed_stats,
 )
@@ -306,10 +307,12 @@ class DataParallelService:
                 "loaded_from_store": sum(s.get("loaded_from_store", 0) for s in startups),
                 # the replicas start at once: each phase took as long as its slowest replica's
                 "phase_seconds": max_by_key(s.get("phase_seconds", {}) for s in startups)}
+        summed = self._summed(each_stats)
         if "prefix_cache" in info:  # each replica's own cache and grammars: the counts summed
-            summed = self._summed(each_stats)
             info["prefix_cache"] = prefix_cache_info(info["prefix_cache"].get("enabled", False), summed)
             info["structured_outputs"] = structured_outputs_info(summed)
+        if "speculative" in info:  # replica 0's configuration (every replica's), the replicas' counts summed
+            info["speculative"] = info["speculative"] | speculative_counts(summed.speculative)
         info["routing"] = ("fewest queued tokens (prompt tokens not yet prefilled + max_tokens not yet streamed), "
                            "less the request's prompt tokens the replica's prefix cache holds")
         info["replicas"] = [

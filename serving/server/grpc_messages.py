@@ -43,7 +43,8 @@ def sampling_params_from(request: pb.GenerateRequest) -> SamplingParams:
     return validation.sampling_params(**given, stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids),
                                       ignore_eos=request.ignore_eos, logprobs=request.logprobs,
                                       top_logprobs=request.top_logprobs,
-                                      structured_outputs=structured_outputs_from(request))
+                                      structured_outputs=structured_outputs_from(request),
+                                      disable_speculation=request.disable_speculation)
 
 
 def structured_outputs_from(request: pb.GenerateRequest) -> StructuredOutputs | None:
@@ -212,7 +213,22 @@ def server_info_from(info: dict, stats: ServiceStats) -> pb.ServerInfoResponse:
         compile_seconds=startup.get("compile_seconds", 0.0), running=stats.running, waiting=stats.waiting,
         steps=stats.steps, switches=stats.switches, preemptions=stats.preemptions,
         steps_by_mode=stats.steps_by_mode, tokens_by_mode=stats.tokens_by_mode, ready=stats.ready,
-        draining=stats.draining, info_json=json.dumps(jsonable(info), sort_keys=True))
+        draining=stats.draining, info_json=json.dumps(jsonable(info), sort_keys=True),
+        speculative=speculative_info_from(info["speculative"], stats) if "speculative" in info else None)
+
+
+def speculative_info_from(section: dict, stats: ServiceStats) -> pb.SpeculativeInfo:
+    """ServerInfo's speculative decoding: how, from ``info``'s section (service_info.py's
+    ``speculative_info``), and what it did, from ``stats`` (read now, as the other counters)."""
+    counters = stats.speculative
+    return pb.SpeculativeInfo(
+        enabled=bool(section.get("enabled")), method=str(section.get("method") or ""),
+        num_speculative_tokens=int(section.get("num_speculative_tokens") or 0),
+        disable_by_batch_size=section.get("disable_by_batch_size"),  # None: no limit, left unset
+        acceptance_rate=counters.acceptance_rate, mean_accepted_length=counters.mean_accepted_length,
+        num_drafts=counters.num_drafts, num_draft_tokens=counters.num_draft_tokens,
+        num_accepted_tokens=counters.num_accepted_tokens, accepted_per_position=counters.accepted_per_position,
+        draft_seconds=counters.draft_seconds)
 
 
 def jsonable(value):

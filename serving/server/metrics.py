@@ -4,9 +4,13 @@ Each ``Metrics`` owns its own ``CollectorRegistry`` (no process-global state, so
 servers or two tests in one process never share counts). Latencies and counters are
 pushed by the engine thread through the observer hooks; the live gauges (running and
 waiting requests, KV pages), the prefix cache's counters (tokens looked up and found,
-pages evicted) and structured outputs' (grammars compiled, masks filled and their host
-time: the engine counts them all) are read from ``service.stats()`` at scrape time by
-a custom collector, never stored, so they cannot go stale.
+pages evicted), structured outputs' (grammars compiled, masks filled and their host
+time) and speculative decoding's (vLLM's ``spec_decode_*``: drafts, draft tokens, accepted
+tokens, accepted tokens per draft position, and the host seconds drafting took: the engine
+counts them all) are read from ``service.stats()`` at scrape time by a custom collector,
+never stored, so they cannot go stale. As structured outputs' counters, speculative
+decoding's are there (at zero) on an engine that does not speculate; its per-position
+counter has one sample per draft position (``position`` 0 to K-1), and none there.
 
 Which hook feeds which metric (so that nothing is counted twice):
 
@@ -193,6 +197,15 @@ class _ServiceStatsCollector(Collector):
         for name, field, help_text in _GRAMMAR_COUNTERS:
             yield CounterMetricFamily(f"{PREFIX}_structured_output_{name}", help_text,
                                       value=getattr(stats.grammar, field))
+        for field, help_text in _SPEC_DECODE_COUNTERS:
+            yield CounterMetricFamily(f"{PREFIX}_spec_decode_{field}", help_text,
+                                      value=getattr(stats.speculative, field))
+        per_position = CounterMetricFamily(f"{PREFIX}_spec_decode_num_accepted_tokens_per_pos",
+                                           "Draft tokens accepted at each draft position (0: the first).",
+                                           labels=["position"])
+        for position, accepted in enumerate(stats.speculative.accepted_per_position):
+            per_position.add_metric([str(position)], accepted)
+        yield per_position
 
 
 # structured outputs' counters: (metric name, GrammarCounters field, help)
@@ -204,6 +217,16 @@ _GRAMMAR_COUNTERS = (
     ("masked_rows", "masked_rows", "Constrained rows whose grammar mask the host filled."),
     ("mask_seconds", "mask_seconds", "Host seconds filling grammar masks."),
 )
+
+# speculative decoding's counters, each named spec_decode_<its SpecDecodeCounters field> as
+# vLLM names them (draft_seconds is shiftjax's): (field, help)
+_SPEC_DECODE_COUNTERS = (
+    ("num_drafts", "Drafts verified (one per request per step that verified a draft)."),
+    ("num_draft_tokens", "Draft tokens verified."),
+    ("num_accepted_tokens", "Draft tokens accepted."),
+    ("draft_seconds", "Host seconds proposing drafts."),
+)
+
 
 def start_metrics_server(metrics: Metrics, port: int, host: str = "127.0.0.1"):
     """Serves ``metrics`` as Prometheus text on ``http://host:port/metrics`` from a daemon

@@ -55,6 +55,8 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None  # prefix-cache pages shared only among requests of this salt
+    # shiftjax's (vLLM has none): keep this request out of speculative decoding
+    disable_speculation: bool = False
     # what the output must match (openai_structured.output_plan reads these; Any: it names
     # the nested field that is wrong, as the client spelled it)
     response_format: Any = None
@@ -166,7 +168,8 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, *, max_t
             min_p=0.0 if request.min_p is None else request.min_p, seed=seed,
             stop_token_ids=tuple(request.stop_token_ids or ()), stop=stop, ignore_eos=request.ignore_eos,
             logprobs=logprobs, top_logprobs=top_logprobs,
-            structured_outputs=None if plan is None else plan.structured_outputs)
+            structured_outputs=None if plan is None else plan.structured_outputs,
+            disable_speculation=request.disable_speculation)
     except InvalidRequest as error:
         raise rename_field(error, request, plan) from None
 

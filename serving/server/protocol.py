@@ -16,6 +16,7 @@ from shiftjax.serving.engine.admission import checked_prompt_ids
 from shiftjax.serving.engine.errors import DeadlineExceeded, InvalidRequest, Overloaded, RequestFailed, Unavailable
 from shiftjax.serving.engine.output_processor import FINISH_LENGTH, FINISH_STOP
 from shiftjax.serving.engine.sampling_params import SamplingParams
+from shiftjax.serving.engine.speculative import SpecDecodeCounters
 from shiftjax.serving.engine.stats import GrammarCounters
 
 __all__ = ["DeadlineExceeded", "InvalidRequest", "Overloaded", "RequestFailed", "Unavailable",  # re-exported
@@ -118,6 +119,7 @@ class ServiceStats:
     cached_pages: int = 0
     evicted_pages: int = 0
     grammar: GrammarCounters = GrammarCounters()  # the engine's, whole (summed over --dp replicas)
+    speculative: SpecDecodeCounters = SpecDecodeCounters()  # the engine's, whole (summed over --dp replicas)
 
 
 class EngineService(Protocol):

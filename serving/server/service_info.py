@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import threading
 
+from shiftjax.serving.engine.speculative import SpecDecodeCounters, SpeculativeConfig
 from shiftjax.serving.engine.stats import EngineDescription, EngineSnapshot, GrammarCounters
 from shiftjax.serving.server.protocol import ServiceStats
 
@@ -39,7 +40,26 @@ def service_info(engine: EngineDescription, model_name: str, stats: ServiceStats
                    "max_top_logprobs": limits.max_top_logprobs},
         "prefix_cache": prefix_cache_info(limits.enable_prefix_caching, stats),
         "structured_outputs": structured_outputs_info(stats),
+        "speculative": speculative_info(engine.speculative, stats.speculative),
     }
+
+
+def speculative_info(config: SpeculativeConfig | None, counters: SpecDecodeCounters) -> dict:
+    """Whether the engine speculates and how (every :class:`SpeculativeConfig` field, None
+    when it does not), and what speculation has done (:func:`speculative_counts`)."""
+    settings = (dataclasses.asdict(config) if config is not None
+                else dict.fromkeys(f.name for f in dataclasses.fields(SpeculativeConfig)))
+    return {"enabled": config is not None, **settings, **speculative_counts(counters)}
+
+
+def speculative_counts(counters: SpecDecodeCounters) -> dict:
+    """Drafts verified, their tokens, those accepted, per draft position how often it was
+    accepted, the acceptance rate and mean accepted length (``SpecDecodeCounters`` says what
+    each is), and the host seconds drafting took."""
+    return {"acceptance_rate": counters.acceptance_rate, "mean_accepted_length": counters.mean_accepted_length,
+            "num_drafts": counters.num_drafts, "num_draft_tokens": counters.num_draft_tokens,
+            "num_accepted_tokens": counters.num_accepted_tokens,
+            "accepted_per_position": list(counters.accepted_per_position), "draft_seconds": counters.draft_seconds}
 
 
 def structured_outputs_info(stats: ServiceStats) -> dict:
@@ -73,7 +93,8 @@ def service_stats(engine: EngineSnapshot | None, *, inbox: int, draining: bool, 
         preemptions=engine.preemptions, tokens_by_mode=engine.tokens_by_mode,
         steps_by_mode=engine.steps_by_mode, ready=error is None, draining=draining, error=error,
         prefix_cache_queries=engine.prefix_cache_queries, prefix_cache_hits=engine.prefix_cache_hits,
-        cached_pages=engine.cached_pages, evicted_pages=engine.evicted_pages, grammar=engine.grammar)
+        cached_pages=engine.cached_pages, evicted_pages=engine.evicted_pages, grammar=engine.grammar,
+        speculative=engine.speculative)
 
 
 def summed_stats(each: list[ServiceStats], *, draining: bool) -> ServiceStats:
@@ -90,7 +111,8 @@ def summed_stats(each: list[ServiceStats], *, draining: bool) -> ServiceStats:
         error=replica_errors(each), prefix_cache_queries=sum(s.prefix_cache_queries for s in each),
         prefix_cache_hits=sum(s.prefix_cache_hits for s in each),
         cached_pages=sum(s.cached_pages for s in each), evicted_pages=sum(s.evicted_pages for s in each),
-        grammar=sum((s.grammar for s in each), GrammarCounters()))
+        grammar=sum((s.grammar for s in each), GrammarCounters()),
+        speculative=sum((s.speculative for s in each), SpecDecodeCounters()))
 
 
 def replica_errors(each_stats) -> str | None:

@@ -27,7 +27,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "n", "request_id", "cache_salt", "structured_outputs")
+    __slots__ = ("prompt", "prompt_ids", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "n", "request_id", "cache_salt", "structured_outputs", "disable_speculation")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class GenerateRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_SPECULATION_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -64,7 +65,8 @@ class GenerateRequest(_message.Message):
     request_id: str
     cache_salt: str
     structured_outputs: StructuredOutputs
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., n: _Optional[int] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ...) -> None: ...
+    disable_speculation: bool
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., n: _Optional[int] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., disable_speculation: _Optional[bool] = ...) -> None: ...
 
 class StructuredOutputs(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -195,7 +197,7 @@ class StepTiming(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., tokens: _Optional[int] = ..., seqs: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("model", "modes", "mesh", "token_buckets", "seq_buckets", "page_size", "num_pages", "free_pages", "max_model_len", "policy", "timings", "executables", "compile_cache_hits", "compile_seconds", "running", "waiting", "steps", "switches", "preemptions", "steps_by_mode", "tokens_by_mode", "ready", "draining", "info_json")
+    __slots__ = ("model", "modes", "mesh", "token_buckets", "seq_buckets", "page_size", "num_pages", "free_pages", "max_model_len", "policy", "timings", "executables", "compile_cache_hits", "compile_seconds", "running", "waiting", "steps", "switches", "preemptions", "steps_by_mode", "tokens_by_mode", "ready", "draining", "info_json", "speculative")
     class MeshEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +243,7 @@ class ServerInfoResponse(_message.Message):
     READY_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     INFO_JSON_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     model: str
     modes: _containers.RepeatedScalarFieldContainer[str]
     mesh: _containers.ScalarMap[str, int]
@@ -265,4 +268,31 @@ class ServerInfoResponse(_message.Message):
     ready: bool
     draining: bool
     info_json: str
-    def __init__(self, model: _Optional[str] = ..., modes: _Optional[_Iterable[str]] = ..., mesh: _Optional[_Mapping[str, int]] = ..., token_buckets: _Optional[_Iterable[int]] = ..., seq_buckets: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., max_model_len: _Optional[int] = ..., policy: _Optional[str] = ..., timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ..., executables: _Optional[int] = ..., compile_cache_hits: _Optional[int] = ..., compile_seconds: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., switches: _Optional[int] = ..., preemptions: _Optional[int] = ..., steps_by_mode: _Optional[_Mapping[str, int]] = ..., tokens_by_mode: _Optional[_Mapping[str, int]] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., info_json: _Optional[str] = ...) -> None: ...
+    speculative: SpeculativeInfo
+    def __init__(self, model: _Optional[str] = ..., modes: _Optional[_Iterable[str]] = ..., mesh: _Optional[_Mapping[str, int]] = ..., token_buckets: _Optional[_Iterable[int]] = ..., seq_buckets: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., max_model_len: _Optional[int] = ..., policy: _Optional[str] = ..., timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ..., executables: _Optional[int] = ..., compile_cache_hits: _Optional[int] = ..., compile_seconds: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., switches: _Optional[int] = ..., preemptions: _Optional[int] = ..., steps_by_mode: _Optional[_Mapping[str, int]] = ..., tokens_by_mode: _Optional[_Mapping[str, int]] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., info_json: _Optional[str] = ..., speculative: _Optional[_Union[SpeculativeInfo, _Mapping]] = ...) -> None: ...
+
+class SpeculativeInfo(_message.Message):
+    __slots__ = ("enabled", "method", "num_speculative_tokens", "disable_by_batch_size", "acceptance_rate", "mean_accepted_length", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "draft_seconds")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_BY_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    method: str
+    num_speculative_tokens: int
+    disable_by_batch_size: int
+    acceptance_rate: float
+    mean_accepted_length: float
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    draft_seconds: float
+    def __init__(self, enabled: _Optional[bool] = ..., method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., disable_by_batch_size: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ...) -> None: ...

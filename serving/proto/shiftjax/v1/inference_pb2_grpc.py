@@ -80,7 +80,8 @@ class InferenceServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ServerInfo(self, request, context):
-        """The model, mesh, modes, buckets, page pool, shift policy and start-up figures.
+        """The model, mesh, modes, buckets, page pool, shift policy, speculative decoding and
+        start-up figures.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
