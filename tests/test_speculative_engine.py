@@ -230,3 +230,71 @@ def test_a_verifier_that_skips_the_correction_fails_the_chi_square_test(chi_engi
     monkeypatch.setattr(scheduler_module, "accepted_length", lambda draft, sampled: len(draft))
     chi_engine.scheduler.drafter = SecondTokenDrafter({a: min(top, key=top.get) for a, (top, _) in second.items()})
     assert chi_square_p_value(sample_triples(chi_engine), joint) < 1e-6
+
+
+# --- the real drafters, every mode ---
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, sp, tp, mode, async_scheduling", [
+    ("ngram", 2, 2, "tp", True), ("ngram", 2, 2, "sp", True), ("ngram", 2, 2, "alternate", True),
+    ("ngram", 2, 2, "auto", True), ("ngram", 2, 2, "alternate", False), ("suffix", 2, 2, "alternate", True),
+    ("suffix", 2, 2, "auto", True), ("suffix", 1, 2, "tp", False)])
+def test_each_method_keeps_greedy_output_in_every_mode(params, expected, method, sp, tp, mode, async_scheduling):
+    engine = engine_on(params, sp, tp, mode=mode, async_scheduling=async_scheduling,
+                       speculative=SpeculativeConfig(method, num_speculative_tokens=K, disable_by_batch_size=None,
+                                                     prompt_lookup_min=1, suffix_min_token_prob=0.0),
+                       **({"shift_threshold": 16} if mode == "auto" else {}))  # the 8-token bucket in tp
+    requests = generate(engine)
+    assert [r.output_ids for r in requests] == expected
+    assert engine.scheduler.num_preemptions > 0
+    spec = engine.snapshot().speculative
+    assert spec.num_drafts > 0 and spec.num_accepted_tokens > 0  # the prompts repeat themselves
+    if mode in ("alternate", "auto"):
+        assert {"tp", "sp"} <= {m for r in requests for m in r.modes}  # drafts in both modes' steps
+
+
+class RecordingDrafter:
+    """Drafts the next two tokens of the known continuation; records who it drafted for and
+    how many requests were running."""
+
+    def __init__(self, scheduler, continuations):
+        self.scheduler, self.continuations, self.calls = scheduler, continuations, []
+
+    def propose(self, request, max_tokens):
+        self.calls.append((tuple(request.prompt_ids), len(self.scheduler.running)))
+        return self.continuations[tuple(request.prompt_ids)][len(request.output_ids):][:min(2, max_tokens)]
+
+    def finish(self, request):
+        pass
+
+
+def test_no_drafts_above_the_batch_limit_nor_for_requests_that_opt_out(params, expected):
+    engine = engine_on(params, 1, 2, mode="tp", num_pages=40,
+                       speculative=SpeculativeConfig("ngram", num_speculative_tokens=K, disable_by_batch_size=2))
+    drafter = engine.scheduler.drafter = RecordingDrafter(engine.scheduler,
+                                                          {tuple(p): e for p, e in zip(PROMPTS, expected)})
+    opted_out = 1
+    requests = generate(engine, lambda i: SamplingParams(max_tokens=MAX_TOKENS[i], disable_speculation=i == opted_out))
+    assert [r.output_ids for r in requests] == expected
+    assert drafter.calls and all(running <= 2 for _, running in drafter.calls)
+    assert tuple(PROMPTS[opted_out]) not in {prompt for prompt, _ in drafter.calls}
+    # the longest requests end alone, with drafts: fewer steps than tokens
+    longest = max(range(len(PROMPTS)), key=lambda i: len(expected[i]))
+    assert len(requests[longest].modes) < len(expected[longest])
+
+
+def test_logprobs_and_the_end_are_those_without_speculation(params, expected):
+    """A draft that runs past the end (EOS, then more) ends where the output ends; each
+    kept token's logprob and alternatives are those decoding without speculation gives."""
+    wanted = lambda i: SamplingParams(max_tokens=MAX_TOKENS[i], logprobs=True, top_logprobs=3)  # noqa: E731
+    plain = generate(engine_on(params, 2, 2, mode="alternate", speculative=None), wanted)
+    engine = engine_on(params, 2, 2, mode="alternate")
+    engine.scheduler.drafter = ScriptedDrafter({tuple(p): e + [EOS, 7, 8, 9] for p, e in zip(PROMPTS, expected)},
+                                               "right")
+    drafted = generate(engine, wanted)
+    assert [r.output_ids for r in drafted] == expected == [r.output_ids for r in plain]
+    assert [r.finish_reason for r in drafted] == [r.finish_reason for r in plain]
+    for a, b in zip(drafted, plain):
+        np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, rtol=1e-4, atol=1e-5)
+        assert [[t for t, _ in top] for top in a.output_top_logprobs] == [[t for t, _ in top] for top in b.output_top_logprobs]
+    assert engine.snapshot().speculative.num_accepted_tokens > 0
