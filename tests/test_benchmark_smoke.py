@@ -46,10 +46,13 @@ SCRIPTS = {"shift_x2.py": (["--smoke", "--engine-variants", "shipped,in_step_sam
            "decode_gemm_sweep.py": (["--smoke"], "decode_gemm_sweep.json"),
            "hostile_clients.py": (["--smoke"], "hostile_clients.json"),
            "structured_outputs.py": (["--smoke"], "structured_outputs.json"),
-           "speculative_step.py": (["--smoke"], "speculative_step.json")}
+           "speculative_step.py": (["--smoke"], "speculative_step.json"),
+           "drafter_host_cost.py": (["--smoke"], "drafter_host_cost.json"),
+           "speculative_acceptance.py": (["--smoke", "--methods", "ngram,suffix"], "speculative_acceptance.json"),
+           "speculative_served.py": (["--smoke"], "speculative_served.json")}
 # restore_gpu.py --smoke runs in tests/test_sharded_restore.py, which checks its phases' results
 SMOKED_ELSEWHERE = {"restore_gpu.py"}
-SLOW = {"shift_x2.py", "x8_checks.py", "hostile_clients.py"}  # about a minute of wall clock each on a 2-core machine
+SLOW = {"shift_x2.py", "x8_checks.py", "hostile_clients.py", "speculative_acceptance.py", "speculative_served.py"}  # about a minute of wall clock each on a 2-core machine
 
 
 def run(cmd, env_extra=None, timeout=900, cwd=ROOT):
@@ -163,6 +166,12 @@ def test_script_smoke(script, tmp_path):
     if script == "one_shot_all_reduce.py":  # (psum alone on the CPU) both devices hold the same sum
         sums = [row for key, row in data.items() if ":rows" in key and ":chain" not in key]
         assert len(sums) == 8 and all(row["devices_agree"] and row["repeats_agree"] for row in sums), data
+    if script == "speculative_acceptance.py":  # every method kept the output of no speculation
+        assert all(run["outputs_equal_no_speculation"] for name, runs in data["runs"].items() if name != "none"
+                   for run in runs.values()), data
+    if script == "speculative_served.py":  # the same tokens served with and without speculation
+        assert all(run["tokens_equal_none"] for d in data["deployments"].values() for run in d["runs"].values())
+        assert data["deployments"]["ngram"]["runs"]["repeating_c1"]["drafts"] > 0, data
     if script == "speculative_step.py":  # both layouts timed, the ratio to one token a sequence
         assert {(r["layout"], r["tokens_per_seq"]) for r in data["steps"]} == {
             ("rows", 1), ("rows", 2), ("rows", 3), ("chunk", 2), ("chunk", 3)}

@@ -28,6 +28,7 @@ def suffix_drafter(max_depth=24, max_cached_requests=0, min_token_prob=0.0, max_
 def learn(drafter, request_id, output, prompt=(0,)):
     """A request with ``output`` that ends, so that ``drafter`` learns it."""
     drafter.finish(Req(request_id, list(prompt), list(output)))
+    drafter.learn_pending()
 
 
 def occurs_in(draft, source):
@@ -299,6 +300,7 @@ def test_suffix_matches_reference_on_random_tokens(seed):
                                              min_token_prob, max_spec_factor)
             assert occurs_in(draft, tokens) or any(occurs_in(draft, output) for output in cached)
         drafter.finish(request)
+        drafter.learn_pending()
         cached.append(request.output_ids)
     assert drafter.num_requests == 0 and drafter.num_cached_outputs == len(cached)
     fresh = SuffixDrafter(max_depth=max_depth, max_cached_requests=max_cached,
@@ -313,3 +315,27 @@ def test_speculative_config_makes_both_drafters():
     assert isinstance(ngram, NgramDrafter) and ngram.min_n == 1
     suffix = SpeculativeConfig("suffix", suffix_max_depth=8).make_drafter()
     assert isinstance(suffix, SuffixDrafter) and suffix.max_depth == 8
+
+
+def test_suffix_learns_finished_outputs_a_part_at_a_time_when_asked():
+    """finish only queues an output (learning one is ~45 ms a 1k tokens, the engine's
+    thread would stall); learn_pending learns LEARN_CHUNK positions a call while ``done()``
+    says the devices are still busy, at least one part a call, and evicts the same way."""
+    from shiftjax.serving.engine.suffix_drafter import LEARN_CHUNK
+
+    drafter, whole = suffix_drafter(max_depth=4, max_cached_requests=1), suffix_drafter(max_depth=4, max_cached_requests=1)
+    first, second = list(range(10, 10 + 3 * LEARN_CHUNK)), list(range(500, 500 + LEARN_CHUNK + 3))
+    drafter.finish(Req(0, [1], first))
+    assert drafter.num_global_nodes == 0 and drafter.num_pending == 1
+    calls = 0
+    while drafter.num_pending:
+        drafter.learn_pending(lambda: True)  # the step is done at once: one part a call
+        calls += 1
+    assert calls == 3
+    learn(whole, 0, first)
+    assert trie_contents(drafter._global) == trie_contents(whole._global)
+    drafter.finish(Req(1, [1], second))
+    drafter.learn_pending()  # all of it: learns the second, then forgets the first (one output kept)
+    learn(whole, 1, second)
+    assert trie_contents(drafter._global) == trie_contents(whole._global)
+    assert drafter.num_cached_outputs == 1 and drafter.propose(Req(2, [500, 501]), 3) == [502, 503, 504]

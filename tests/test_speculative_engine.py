@@ -298,3 +298,20 @@ def test_logprobs_and_the_end_are_those_without_speculation(params, expected):
         np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, rtol=1e-4, atol=1e-5)
         assert [[t for t, _ in top] for top in a.output_top_logprobs] == [[t for t, _ in top] for top in b.output_top_logprobs]
     assert engine.snapshot().speculative.num_accepted_tokens > 0
+
+
+def test_suffix_decoding_drafts_from_an_earlier_requests_output(params, expected):
+    """The global trie learns a finished output while the devices run later steps; a request
+    that repeats it (same prompt, greedy) then takes far fewer steps than tokens."""
+    engine = engine_on(params, 1, 2, mode="tp", speculative=SpeculativeConfig(
+        "suffix", num_speculative_tokens=K, disable_by_batch_size=None, suffix_min_token_prob=0.0))
+    prompt, max_tokens = PROMPTS[2], MAX_TOKENS[2]  # a prompt with nothing to look up in itself
+    first = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens))
+    engine.run_until_done([first])
+    assert first.output_ids == expected[2]
+    accepted_before = engine.snapshot().speculative.num_accepted_tokens
+    again = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens))
+    engine.run_until_done([again])
+    assert again.output_ids == expected[2] and engine.scheduler.drafter.num_cached_outputs >= 1
+    assert engine.snapshot().speculative.num_accepted_tokens - accepted_before >= len(expected[2]) // 2
+    assert len(again.modes) < len(first.modes) // 2 + 2

@@ -278,6 +278,7 @@ class Engine:
                                                       or self.scheduler.would_speculate)
         following = self._launch_noting(launched, failed) if ahead else None
         current, self._in_flight = self._in_flight, following
+        self._drafter_work(current)
         try:
             finished = self.finish_step(current)
         except StepFailed as failure:
@@ -359,6 +360,13 @@ class Engine:
         return StepReport(mode=mode, num_tokens=scheduled.num_tokens, bucket=launched.bucket,
                           requests=scheduled.requests, sampled=scheduled.delivered, finished=finished,
                           switched=switched, seconds=seconds)
+
+    def _drafter_work(self, launched: LaunchedStep) -> None:
+        """The drafter's work that can wait (suffix decoding learning finished outputs), while
+        the devices run ``launched``: until its result is ready, at least a part a step."""
+        drafter = self.scheduler.drafter
+        if drafter is not None and launched.host_copy is not None:
+            drafter.learn_pending(launched.host_copy.is_ready)
 
     def _masks(self, scheduled, num_rows: int) -> np.ndarray:
         """The bitmask of ``scheduled``'s rows, filled now (:meth:`_fill_masks`)."""

@@ -69,6 +69,9 @@ class NgramDrafter:
     def finish(self, request: DraftSource) -> None:
         self._lookups.pop(request.request_id, None)
 
+    def learn_pending(self, done=None) -> None:
+        """Nothing: prompt lookup learns nothing across requests."""
+
     @property
     def num_requests(self) -> int:
         """Requests whose state is held (proposed for and not finished)."""

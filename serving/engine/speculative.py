@@ -23,7 +23,7 @@ before it, and with a seed the output is the one decoding without speculation gi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 SPECULATIVE_METHODS = ("ngram", "suffix")
@@ -45,7 +45,11 @@ class Drafter(Protocol):
         """Up to ``max_tokens`` tokens that may follow ``request``'s tokens (maybe none)."""
 
     def finish(self, request: DraftSource) -> None:
-        """``request`` ended: drop its state (suffix decoding also learns its output)."""
+        """``request`` ended: drop its state (suffix decoding also queues its output to learn)."""
+
+    def learn_pending(self, done: Callable[[], bool]) -> None:
+        """Work that can wait (suffix decoding: learning finished outputs), done a part at a
+        time until ``done()``; the engine calls it while the devices run a step."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +71,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     suffix_max_depth: int = 24
-    suffix_max_cached_requests: int = 1000
+    suffix_max_cached_requests: int = 256  # ~2.4 MB of host memory per cached 1k-token output
     suffix_min_token_prob: float = 0.1
     suffix_max_spec_factor: float = 1.0
 

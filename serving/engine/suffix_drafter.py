@@ -26,8 +26,9 @@ CPU). A token that arrives extends the up to ``max_depth`` suffixes that end at 
 node keeps its most frequent child, so a chain step is one lookup: at depth 24 a step's
 ``propose`` takes about 25 us (median) at 1k or 8k tokens. Building a request's trie from
 its prompt costs ``len * max_depth`` node updates on its first call (about 100 ms at 8k
-tokens), and ``finish`` as much for the output it learns and the one it evicts (about
-45 ms for 1k tokens). A trie has up to ``max_depth`` nodes a token, about 90 bytes each:
+tokens), and learning an output into the global trie as much, and forgetting the one it
+evicts (about 45 ms for 1k tokens): ``finish`` only queues an output, and
+:meth:`SuffixDrafter.learn_pending` learns it a part at a time while the devices run steps. A trie has up to ``max_depth`` nodes a token, about 90 bytes each:
 17 MB for a request of 8k tokens, and 2.4 MB per 1k-token output the global trie holds
 (2.4 GB at 1000 of them).
 """
@@ -36,10 +37,13 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Callable
 
 from shiftjax.serving.engine.ngram_drafter import num_tokens, tokens_after
 from shiftjax.serving.engine.speculative import DraftSource
 from shiftjax.serving.engine.suffix_trie import NONE, OutputsTrie, RequestTrie
+
+LEARN_CHUNK = 16  # token positions of an output learned at a time: about 0.7 ms at depth 24
 
 
 class SuffixDrafter:
@@ -59,6 +63,8 @@ class SuffixDrafter:
         self._requests: dict[int, RequestTrie] = {}
         self._global = OutputsTrie()
         self._cached_outputs: collections.deque[list[int]] = collections.deque()
+        # ("learn" | "forget", output, first position not yet done), oldest first
+        self._work: collections.deque[tuple[str, list[int], int]] = collections.deque()
         self._match_caps: dict[int, int] = {}
 
     def propose(self, request: DraftSource, max_tokens: int) -> list[int]:
@@ -80,15 +86,39 @@ class SuffixDrafter:
         return draft
 
     def finish(self, request: DraftSource) -> None:
-        """Drops the request's trie and learns its output into the global trie."""
+        """Drops the request's trie and queues its output for the global trie
+        (:meth:`learn_pending` learns it)."""
         self._requests.pop(request.request_id, None)
         output = list(request.output_ids)
         if self.max_cached_requests == 0 or not output:
             return
-        self._global.learn(output, self.max_depth)
-        self._cached_outputs.append(output)
-        if len(self._cached_outputs) > self.max_cached_requests:
-            self._global.forget(self._cached_outputs.popleft(), self.max_depth)
+        self._work.append(("learn", output, 0))
+        while sum(kind == "learn" for kind, _, _ in self._work) > self.max_cached_requests:
+            self._work.remove(next(item for item in self._work if item[0] == "learn"))  # the oldest waiting
+
+    def learn_pending(self, done: Callable[[], bool] = lambda: False) -> None:
+        """Learns queued outputs into the global trie (and forgets the oldest beyond
+        ``max_cached_requests``), ``LEARN_CHUNK`` token positions at a time, until ``done()``
+        says to stop (after at least one part) or nothing is left. The engine calls it while
+        the devices run a step: learning a 1k-token output takes about 45 ms of host time,
+        which on the engine's thread between steps would stall every request."""
+        worked = False
+        while self._work and not (worked and done()):
+            kind, output, first = self._work.popleft()
+            end = first + LEARN_CHUNK
+            (self._global.learn if kind == "learn" else self._global.forget)(output, self.max_depth, first, end)
+            worked = True
+            if end < len(output):
+                self._work.appendleft((kind, output, end))
+            elif kind == "learn":
+                self._cached_outputs.append(output)
+                if len(self._cached_outputs) > self.max_cached_requests:
+                    self._work.appendleft(("forget", self._cached_outputs.popleft(), 0))
+
+    @property
+    def num_pending(self) -> int:
+        """Outputs waiting to be learned or forgotten."""
+        return len(self._work)
 
     @property
     def num_requests(self) -> int:

@@ -107,17 +107,18 @@ class OutputsTrie:
             self.best[node] = best
         return best
 
-    def learn(self, tokens: list[int], max_depth: int) -> None:
-        """Adds the run of up to ``max_depth`` tokens that starts at each of ``tokens``."""
-        for start in range(len(tokens)):
+    def learn(self, tokens: list[int], max_depth: int, first: int = 0, end: int | None = None) -> None:
+        """Adds the run of up to ``max_depth`` tokens that starts at each of ``tokens``
+        (``first`` to ``end``: those that start there, so that a long output is learned in parts)."""
+        for start in range(first, len(tokens) if end is None else min(end, len(tokens))):
             node = ROOT
             for token in tokens[start:start + max_depth]:
                 node = self._extend(node, token)
 
-    def forget(self, tokens: list[int], max_depth: int) -> None:
-        """Takes back what ``learn(tokens, max_depth)`` added; nodes left empty are freed."""
+    def forget(self, tokens: list[int], max_depth: int, first: int = 0, end: int | None = None) -> None:
+        """Takes back what ``learn(tokens, max_depth, first, end)`` added; nodes left empty are freed."""
         count, best = self.count, self.best
-        for start in range(len(tokens)):
+        for start in range(first, len(tokens) if end is None else min(end, len(tokens))):
             node = ROOT
             for token in tokens[start:start + max_depth]:
                 key, children = node * _TOKEN_RANGE + token, self.child_of[node & self.shard_mask]
