@@ -17,7 +17,7 @@ from shiftjax.params import random_params
 from shiftjax.serving.engine import scheduler as scheduler_module
 from shiftjax.serving.engine.core import Engine, EngineConfig
 from shiftjax.serving.engine.sampling_params import SamplingParams
-from shiftjax.serving.engine.speculative import SpeculativeConfig
+from shiftjax.serving.engine.speculative import DraftBackoff, SpeculativeConfig
 from shiftjax.weights import shard_params
 
 # 4-token pages, 16 tokens a step (the longer prompts are chunked), 14 usable pages for six
@@ -50,6 +50,9 @@ class ScriptedDrafter:
         return known
 
     def finish(self, request):
+        pass
+
+    def learn_pending(self, done):
         pass
 
 
@@ -187,6 +190,9 @@ class SecondTokenDrafter:
     def finish(self, request):
         pass
 
+    def learn_pending(self, done):
+        pass
+
 
 @pytest.fixture(scope="module")
 def chi_engine(params):
@@ -207,6 +213,7 @@ def test_rejection_sampled_tokens_follow_the_target_distribution(chi_engine, tar
         chi_engine.scheduler.drafter = SecondTokenDrafter(None)
         seconds = [t[1] for t in sample_triples(chi_engine)]
         by_first = lambda request: seconds[request.params.seed]  # noqa: E731
+        chi_engine._draft_backoff = DraftBackoff()  # that run found nothing to draft and backed off
     chi_engine.scheduler.drafter = SecondTokenDrafter(by_first)
     before = chi_engine.snapshot().speculative
     triples = sample_triples(chi_engine)
@@ -267,6 +274,9 @@ class RecordingDrafter:
     def finish(self, request):
         pass
 
+    def learn_pending(self, done):
+        pass
+
 
 def test_no_drafts_above_the_batch_limit_nor_for_requests_that_opt_out(params, expected):
     engine = engine_on(params, 1, 2, mode="tp", num_pages=40,
@@ -315,3 +325,32 @@ def test_suffix_decoding_drafts_from_an_earlier_requests_output(params, expected
     assert again.output_ids == expected[2] and engine.scheduler.drafter.num_cached_outputs >= 1
     assert engine.snapshot().speculative.num_accepted_tokens - accepted_before >= len(expected[2]) // 2
     assert len(again.modes) < len(first.modes) // 2 + 2
+
+
+class CountingDrafter:
+    """Never finds a draft; counts how often it is asked."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def propose(self, request, max_tokens):
+        self.calls += 1
+        return []
+
+    def finish(self, request):
+        pass
+
+    def learn_pending(self, done):
+        pass
+
+
+def test_an_engine_that_finds_nothing_to_draft_schedules_ahead_again(params, expected):
+    """Drafting needs the step before committed (no async scheduling); where the drafter
+    finds nothing, the engine backs off: after each such try, 1, 2, 4 .. 16 turns ahead."""
+    engine = engine_on(params, 1, 2, mode="tp", num_pages=40)
+    drafter = engine.scheduler.drafter = CountingDrafter()
+    request = engine.add_request(PROMPTS[2], SamplingParams(max_tokens=60, ignore_eos=True))
+    engine.run_until_done([request])
+    assert len(request.output_ids) == 60
+    assert 0 < drafter.calls <= 8  # tries at turns 1, 3, 6, 11, 20, 37, 54 (and the skips between)
+    assert engine.snapshot().speculative.num_drafts == 0

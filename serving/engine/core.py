@@ -31,7 +31,8 @@ request verifying one cannot be scheduled again until its commit says how much o
 was kept. A turn in which the scheduler may draft (``Scheduler.would_speculate``: few
 enough requests run), or whose step in flight verifies a draft, therefore schedules after
 the commit, as without ``async_scheduling``; above ``disable_by_batch_size`` running
-requests the engine schedules ahead again.
+requests the engine schedules ahead again, and so it does for a while after a turn that
+tried and found nothing to draft (``speculative.DraftBackoff``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from shiftjax.serving.engine.prefix_cache import cache_key
 from shiftjax.serving.engine.runner import LaunchedStep
 from shiftjax.serving.engine.sampling_params import SamplingParams
 from shiftjax.serving.engine.scheduler import Request, SchedulerConfig
+from shiftjax.serving.engine.speculative import DraftBackoff
 from shiftjax.serving.engine.stats import EngineSnapshot, GrammarCounters, StepCounters
 from shiftjax.step_options import StepOptions
 from shiftjax.weights import ModelWeights
@@ -125,6 +127,7 @@ class Engine:
         self._last_finished = 0.0
         self._deferred_failure: StepFailed | None = None  # a deferred sampling's, for advance to report
         self._deferred_masks: tuple[LaunchedStep, concurrent.futures.Future] | None = None
+        self._draft_backoff = DraftBackoff()  # when to stop giving up async scheduling for drafts
 
     @property
     def executables(self):
@@ -274,8 +277,8 @@ class Engine:
         # (an interrupt while launching the next step leaves the current one in flight)
         # A turn that may speculate schedules after the commit: a draft follows tokens the host
         # knows, and a request verifying one cannot be scheduled again before its commit.
-        ahead = self.config.async_scheduling and not (self._in_flight.scheduled.speculative
-                                                      or self.scheduler.would_speculate)
+        drafting = self.scheduler.would_speculate and self._draft_backoff.try_drafting()
+        ahead = self.config.async_scheduling and not (self._in_flight.scheduled.speculative or drafting)
         following = self._launch_noting(launched, failed) if ahead else None
         current, self._in_flight = self._in_flight, following
         self._drafter_work(current)
@@ -285,6 +288,8 @@ class Engine:
             return PipelineTurn(tuple(launched), None, (*failed, failure))
         if not ahead:
             self._in_flight = self._launch_noting(launched, failed)
+            if drafting and self._in_flight is not None:
+                self._draft_backoff.record(self._in_flight.scheduled.speculative)
         return PipelineTurn(tuple(launched), finished, tuple(failed))
 
     def _launch_noting(self, launched: list, failed: list) -> LaunchedStep | None:

@@ -147,6 +147,35 @@ class SpecDecodeCounters:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
+class DraftBackoff:
+    """When the engine gives up asynchronous scheduling to draft. A turn that may draft
+    schedules after the commit, which puts the host's scheduling on the step's critical path;
+    where the drafter finds nothing (text that does not repeat), that costs every step and
+    gains none. After each turn that tried and drafted nothing, the next ``2**misses`` turns
+    (at most ``MAX_SKIP``) schedule ahead again, without drafts; a turn that drafts resets it."""
+
+    MAX_SKIP = 16
+
+    def __init__(self):
+        self.misses = 0
+        self.skip = 0
+
+    def try_drafting(self) -> bool:
+        """Whether this turn should schedule after the commit, so as to draft."""
+        if self.skip:
+            self.skip -= 1
+            return False
+        return True
+
+    def record(self, drafted: bool) -> None:
+        """What a turn that tried found."""
+        if drafted:
+            self.misses = self.skip = 0
+        else:
+            self.skip = min(2 ** self.misses, self.MAX_SKIP)
+            self.misses += 1
+
+
 def _at(values: tuple[int, ...], i: int) -> int:
     return values[i] if i < len(values) else 0
 
