@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from pathlib import Path
 
-from speculative_workloads import workloads
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run with -P too
+from speculative_workloads import workloads  # noqa: E402
 
 
 def run_workload(llm, conversations, max_tokens: int) -> dict:

@@ -16,12 +16,14 @@ import argparse
 import concurrent.futures
 import hashlib
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from speculative_workloads import workloads
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run with -P too
+from speculative_workloads import workloads  # noqa: E402
 
 DEPLOYMENTS = {  # name -> extra serve arguments
     "none": [],

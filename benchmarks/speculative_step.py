@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # roofline.py, run with -P too
 
 TOKEN_LADDER = (16, 32, 64, 128, 256)
 
