@@ -200,9 +200,12 @@ def save_params(flat: dict[str, np.ndarray], params_dir: Path) -> None:
     import orbax.checkpoint as ocp
     from orbax.checkpoint import type_handlers
 
-    registry = type_handlers.create_type_handler_registry(
-        (np.ndarray, type_handlers.NumpyHandler(deepcopy_host_arrays=False))
-    )
+    import inspect
+
+    # (orbax-checkpoint releases before the option have no copy to skip, the GPU image's among them)
+    no_copy = ({"deepcopy_host_arrays": False}
+               if "deepcopy_host_arrays" in inspect.signature(type_handlers.NumpyHandler).parameters else {})
+    registry = type_handlers.create_type_handler_registry((np.ndarray, type_handlers.NumpyHandler(**no_copy)))
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry))
     try:
         checkpointer.save(Path(params_dir).absolute(), args=ocp.args.PyTreeSave(nest(flat)))

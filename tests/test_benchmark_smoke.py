@@ -49,7 +49,8 @@ SCRIPTS = {"shift_x2.py": (["--smoke", "--engine-variants", "shipped,in_step_sam
            "speculative_step.py": (["--smoke"], "speculative_step.json"),
            "drafter_host_cost.py": (["--smoke"], "drafter_host_cost.json"),
            "speculative_acceptance.py": (["--smoke", "--methods", "ngram,suffix"], "speculative_acceptance.json"),
-           "speculative_served.py": (["--smoke"], "speculative_served.json")}
+           "speculative_served.py": (["--smoke"], "speculative_served.json"),
+           "speculative_projection.py": (["--smoke"], "speculative_projection.json")}
 # restore_gpu.py --smoke runs in tests/test_sharded_restore.py, which checks its phases' results
 SMOKED_ELSEWHERE = {"restore_gpu.py"}
 SLOW = {"shift_x2.py", "x8_checks.py", "hostile_clients.py", "speculative_acceptance.py", "speculative_served.py"}  # about a minute of wall clock each on a 2-core machine
@@ -172,6 +173,9 @@ def test_script_smoke(script, tmp_path):
     if script == "speculative_served.py":  # the same tokens served with and without speculation
         assert all(run["tokens_equal_none"] for d in data["deployments"].values() for run in d["runs"].values())
         assert data["deployments"]["ngram"]["runs"]["repeating_c1"]["drafts"] > 0, data
+    if script == "speculative_projection.py":  # 2 tokens a step, half the steps drafted, verification ~free
+        speedup = data["rows"]["ngram_k3/code_edit"]["projected_speedup_by_seqs"]
+        assert 1.9 < speedup["1"] <= 2.0 and speedup["64"] < speedup["1"], data
     if script == "speculative_step.py":  # both layouts timed, the ratio to one token a sequence
         assert {(r["layout"], r["tokens_per_seq"]) for r in data["steps"]} == {
             ("rows", 1), ("rows", 2), ("rows", 3), ("chunk", 2), ("chunk", 3)}
