@@ -1,7 +1,7 @@
 """shiftjax: Shift Parallelism in JAX.
 
 This module stays light: subpackage imports run it first. ``shiftjax.LLM`` and
-``shiftjax.SamplingParams`` (and ``StructuredOutputs``) load the serving layer on first access.
+``shiftjax.SamplingParams`` (and ``StructuredOutputs``, ``SpeculativeConfig``) load the serving layer on first access.
 """
 
 import importlib
@@ -10,6 +10,7 @@ _LAZY = {
     "LLM": "shiftjax.serving.engine.llm",
     "SamplingParams": "shiftjax.serving.engine.sampling_params",
     "StructuredOutputs": "shiftjax.serving.engine.structured_outputs",
+    "SpeculativeConfig": "shiftjax.serving.engine.speculative",
 }
 
 __all__ = sorted(_LAZY)
