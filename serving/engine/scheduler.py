@@ -136,7 +136,6 @@ class Scheduler:
         # waiting request has one (a draft never delays an admission)
         spare_rows = self.config.max_num_seqs - len(self.running) - len(self.waiting)
         speculating = self.would_speculate and spare_rows > 0
-        draft_started = time.perf_counter()
         # Decodes first (each needs one token), oldest first; preempt the newest on shortage.
         for request in list(self.running):
             if request not in self.running or not request.wants_decode:
@@ -147,7 +146,10 @@ class Scheduler:
             if speculating and spare_rows > 0 and budget > 1 and request.may_speculate:
                 room = min(self.speculative.num_speculative_tokens, spare_rows, budget - 1,
                            request.params.max_tokens - len(request.output_ids) - 1)
-                draft = self.drafter.propose(request, room)[:room] if room > 0 else []
+                if room > 0:
+                    started = time.perf_counter()
+                    draft = self.drafter.propose(request, room)[:room]
+                    self.spec_tally.draft_seconds += time.perf_counter() - started
             if draft and not self._reserve(request, 1 + len(draft), preempt=False):
                 draft = []  # a draft never preempts a request
             if not self._reserve(request, 1 + len(draft)):
@@ -157,8 +159,6 @@ class Scheduler:
                 drafts[id(request)] = draft
                 spare_rows -= len(draft)
             budget -= 1 + len(draft)
-        if speculating:
-            self.spec_tally.draft_seconds += time.perf_counter() - draft_started
         # Then prefill: running requests mid-prompt, then admissions from the queue.
         candidates = [r for r in self.running if r.num_scheduled < r.num_tokens - 1]
         for request in candidates:
