@@ -327,17 +327,29 @@ def test_a_speculating_engine_counts_its_drafts_for_info_and_metrics_and_a_reque
     config = EngineConfig(max_model_len=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=16, num_pages=40,
                           token_buckets=(16,), seq_buckets=(4,), attention="reference", mode="tp",
                           speculative=SpeculativeConfig("ngram", num_speculative_tokens=3))
-    service = AsyncEngineService(Engine(weights, config, eos_token_ids=CONFIG.eos_token_ids), CharTokenizer(),
-                                 model_name="tiny")
+    engine = Engine(weights, config, eos_token_ids=CONFIG.eos_token_ids)
+    service = AsyncEngineService(engine, CharTokenizer(), model_name="tiny")
     service.wait_ready(60)
 
-    async def tokens(**params):  # its greedy output repeats a bigram of its own: prompt lookup drafts
+    async def tokens(**params):
         deltas = await collect(service.submit(request([30, 31, 32, 33, 34, 35], max_tokens=24, **params)))
         return [t for d in deltas for t in d.token_ids]
+
+    class KnownContinuation:  # drafts the output the opted-out request gave, two tokens right then one wrong
+        def propose(self, request, max_tokens):
+            known = opted_out[len(request.output_ids):][:max_tokens]
+            return known[:2] + [(t + 1) % CONFIG.vocab_size for t in known[2:]]
+
+        def finish(self, request):
+            pass
+
+        def learn_pending(self, done):
+            pass
 
     try:
         opted_out = asyncio.run(tokens(disable_speculation=True))
         assert service.stats().speculative.num_drafts == 0
+        engine.scheduler.drafter = KnownContinuation()  # the counters' path, whatever the text
         assert asyncio.run(tokens()) == opted_out  # greedy: the same tokens either way
         counters = service.stats().speculative
         assert counters.num_drafts > 0 and counters.num_draft_tokens >= counters.num_drafts
