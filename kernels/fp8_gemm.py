@@ -1,0 +1,111 @@
+"""GEMMs over FP8 (``float8_e4m3fn``) weights with per-output-channel scales.
+
+A quantized weight is stored ``[n, k]`` (output channels first, the contraction axis
+minor: Hopper's FP8 tensor cores take both operands K-major) with a float32 scale per
+output channel, ``w ~= values * scale[:, None]``. Two algorithms, chosen per step by the
+step's token count (the same for TP and SP mode, so both modes do the same arithmetic):
+
+- ``w8a16`` (decode): activations stay bf16; the weights are converted in registers.
+  ``out = (x @ values.T) * scale``. A decode step is bound by the weight bytes it reads,
+  which this halves.
+- ``w8a8`` (prefill): activations are quantized per row (token) to e4m3 with a float32
+  scale, ``x ~= xq * x_scale[:, None]``, and the product runs on FP8 tensor cores:
+  ``out = (xq @ values.T) * x_scale[:, None] * scale[None, :]``.
+
+Both accumulate in float32 and round once, to bf16, after the scales. Implementations
+behind :func:`fp8_matmul`: ``"reference"`` (XLA, any backend: the oracle and the CPU path)
+and ``"pallas"`` (Pallas Mosaic GPU kernels, Hopper).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = float(jnp.finfo(FP8).max)  # 448
+ALGORITHMS = ("w8a16", "w8a8")
+_IMPLEMENTATIONS = ("reference", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8GemmChoice:
+    """Which algorithm a step of ``tokens`` tokens (all devices' rows, before SP splits
+    them) uses: ``w8a16`` up to ``w8a16_max_tokens``, ``w8a8`` above."""
+
+    w8a16_max_tokens: int = 64
+
+    def algorithm(self, tokens: int) -> str:
+        return "w8a16" if tokens <= self.w8a16_max_tokens else "w8a8"
+
+
+DEFAULT_CHOICE = Fp8GemmChoice()
+
+
+def quantize_rows(x: Float[Array, "m k"]) -> tuple[Float[Array, "m k"], Float[Array, "m"]]:
+    """Each row of ``x`` in e4m3 with its float32 scale (absmax / 448); an all-zero row
+    gets scale 1 (its values are zeros)."""
+    x32 = x.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(x32), axis=-1)
+    scale = jnp.where(absmax > 0, absmax / FP8_MAX, 1.0)
+    values = jnp.clip(x32 / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8)
+    return values, scale
+
+
+def w8a16_matmul_reference(
+    x: Float[Array, "m k"], values: Float[Array, "n k"], scale: Float[Array, "n"]
+) -> Float[Array, "m n"]:
+    """``(x @ values.T) * scale`` in float32, rounded once to ``x.dtype``."""
+    acc = jnp.einsum("mk,nk->mn", x, values.astype(x.dtype), preferred_element_type=jnp.float32)
+    return (acc * scale[None, :]).astype(x.dtype)
+
+
+def w8a8_matmul_reference(
+    x: Float[Array, "m k"], values: Float[Array, "n k"], scale: Float[Array, "n"]
+) -> Float[Array, "m n"]:
+    """``x`` quantized per row, then ``(xq @ values.T) * x_scale * scale`` in float32,
+    rounded once to ``x.dtype``. e4m3 values are exact in bf16 and their products in
+    float32, so only the accumulation order can differ from a tensor-core kernel."""
+    xq, x_scale = quantize_rows(x)
+    acc = jnp.einsum("mk,nk->mn", xq.astype(jnp.bfloat16), values.astype(jnp.bfloat16),
+                     preferred_element_type=jnp.float32)
+    return (acc * x_scale[:, None] * scale[None, :]).astype(x.dtype)
+
+
+def fp8_matmul(
+    x: Float[Array, "m k"],
+    values: Float[Array, "n k"],
+    scale: Float[Array, "n"],
+    *,
+    algorithm: str,
+    implementation: str = "reference",
+) -> Float[Array, "m n"]:
+    """``x @ w.T`` for the quantized weight ``w ~= values * scale[:, None]`` by
+    ``algorithm`` (``w8a16`` or ``w8a8``) and ``implementation``."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    if implementation not in _IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {', '.join(_IMPLEMENTATIONS)}, got {implementation!r}")
+    if implementation == "reference":
+        reference = w8a16_matmul_reference if algorithm == "w8a16" else w8a8_matmul_reference
+        return reference(x, values, scale)
+    from . import fp8_gemm_mosaic  # Mosaic GPU lowering only when asked
+
+    if algorithm == "w8a16":
+        return fp8_gemm_mosaic.w8a16_matmul(x, values, scale)
+    return fp8_gemm_mosaic.w8a8_matmul(x, values, scale)
+
+
+def gpu_supports_fp8(device: jax.Device) -> bool:
+    """Whether ``device`` has the FP8 tensor cores the Pallas kernels use (Hopper, sm_90)."""
+    if device.platform != "gpu":
+        return False
+    capability = getattr(device, "compute_capability", None)
+    try:
+        major = int(str(capability).split(".")[0])
+    except ValueError:
+        return False
+    return major == 9
