@@ -1,0 +1,359 @@
+"""FP8 GEMMs on the H200: the Mosaic GPU kernels of kernels/fp8_gemm_mosaic.py against XLA.
+
+For each projection of Llama-3.1-8B and -70B on one GPU and each token count in ``--ms``:
+the bf16 XLA GEMM (bf16 weights), the w8a16 kernel (m <= 256: the decode path; wgmma's N
+is at most 256), the w8a8 kernel, XLA's w8a16 (convert the e4m3 weights, then a bf16 dot:
+``w8a16_matmul_reference``) and XLA's w8a8 (``quantize_rows`` then an e4m3 x e4m3 dot with
+float32 output, then the scales), each checked against the reference and timed. In the
+same run: the read-only stream rate (roofline.read_ceiling: the best reduction of a
+multi-GiB bf16 array) and the FP8 matmul rate (an 8192^3 e4m3 dot through XLA, whose
+compiled HLO is checked for a cuBLASLt FP8 custom call). Decode-side figures are weight
+bytes / time / stream rate; prefill-side, FLOPs / time / FP8 rate.
+
+Timing: the sum of the kernels' device times per call from a profiler trace
+(roofline.device_time's ``ksum``), so the XLA fusions around a kernel (x's quantization,
+split-K's sum, the scales) count; each call runs the GEMM on ``copies`` distinct weight
+copies (at least 2 and 192 MB of e4m3 weights: more than the 60 MB L2 between two uses)
+with distinct x, and the time is divided by ``copies``. Median of 5 calls.
+
+Correctness: each output is compared with its reference (``w8a16_matmul_reference`` /
+``w8a8_matmul_reference``) by ||out - ref|| / ||ref||; above 1e-2 (bf16 rounding of both
+is about 3e-3) is wrong, and the script exits 1 at the end.
+
+    source benchmarks/gpu_env.sh && python3 -P benchmarks/fp8_gemm_bench.py --out $OUT   # H200
+    python3 -P benchmarks/fp8_gemm_bench.py --probe --out $OUT    # API and variant probe
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from roofline import device_time, read_ceiling, time_fn  # noqa: E402
+
+from shiftjax.kernels import fp8_gemm  # noqa: E402
+from shiftjax.kernels import fp8_gemm_mosaic as mosaic  # noqa: E402
+
+SHAPES = {  # name -> (n, k) of the weight [n, k]
+    "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
+    "70b.qkv": (10240, 8192), "70b.o": (8192, 8192), "70b.gate_up": (57344, 8192), "70b.down": (8192, 28672),
+}
+MS = (1, 16, 64, 256, 1024, 4096)
+W8A16_MAX_M = 256
+TOLERANCE = 1e-2
+
+
+def rel_err(out, ref) -> float:
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def make_weights(n: int, k: int, copies: int, seed: int):
+    """``copies`` quantized weights (e4m3 values, float32 scales) and their bf16 versions."""
+    key = jax.random.key(seed)
+
+    @jax.jit
+    def one(key):
+        w = jax.random.normal(key, (n, k), jnp.float32) * 0.02
+        scale = jnp.max(jnp.abs(w), axis=1) / fp8_gemm.FP8_MAX
+        values = (w / scale[:, None]).astype(fp8_gemm.FP8)
+        return values, scale, (values.astype(jnp.float32) * scale[:, None]).astype(jnp.bfloat16)
+
+    return [one(k_) for k_ in jax.random.split(key, copies)]
+
+
+def xla_w8a8(x, values, scale):
+    """XLA's w8a8: quantize_rows, an e4m3 x e4m3 dot with float32 output, the scales."""
+    xq, x_scale = fp8_gemm.quantize_rows(x)
+    acc = jax.lax.dot_general(xq, values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (acc * x_scale[:, None] * scale[None, :]).astype(x.dtype)
+
+
+def bf16_dot(x, w, scale):
+    del scale
+    return jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def copies_for(n: int, k: int) -> int:
+    return int(min(8, max(2, -(-192e6 // (n * k)))))
+
+
+def implementations(m: int, kernel_configs: dict) -> dict:
+    """name -> (fn(x, values_or_bf16, scale), uses bf16 weights, reference name)."""
+    impls = {"xla_bf16": (bf16_dot, True, None),
+             "xla_w8a16": (fp8_gemm.w8a16_matmul_reference, False, "w8a16"),
+             "xla_w8a8": (xla_w8a8, False, "w8a8")}
+    if m <= W8A16_MAX_M:
+        cfg = kernel_configs.get("w8a16")
+        impls["mosaic_w8a16"] = (lambda x, v, s, c=cfg: mosaic.w8a16_matmul(x, v, s, c), False, "w8a16")
+    cfg = kernel_configs.get("w8a8")
+    impls["mosaic_w8a8"] = (lambda x, v, s, c=cfg: mosaic.w8a8_matmul(x, v, s, c), False, "w8a8")
+    return impls
+
+
+def many(fn, copies):
+    """One jitted call that applies ``fn`` to ``copies`` (x, weight, scale) triples."""
+    def run(xs, ws, ss):
+        return [fn(x, w, s) for x, w, s in zip(xs, ws, ss)]
+    return jax.jit(run)
+
+
+def dtime(fn, args, calls: int = 5) -> dict:
+    """roofline.device_time of ``calls`` calls, or the host wall clock where the trace has
+    no device events (then ksum = span = wall, kernels = 0)."""
+    t = device_time(fn, args, calls, quiet=True)
+    if t is None:
+        wall = time_fn(fn, *args, warmup=1, iters=calls)
+        t = {"ksum": wall, "span": wall, "kernels": 0, "timer": "host wall clock"}
+    return t
+
+
+def compile_all(jobs: dict) -> dict:
+    """name -> compiled executable or the exception; compiled on 8 threads."""
+    def build(item):
+        name, (fn, args) = item
+        try:
+            return name, fn.lower(*args).compile()
+        except Exception as e:  # noqa: BLE001 - a failing variant is a result
+            return name, e
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        return dict(pool.map(build, jobs.items()))
+
+
+def bench_shape(name, n, k, ms, kernel_configs_for, log) -> list[dict]:
+    copies = copies_for(n, k)
+    weights = make_weights(n, k, copies, seed=hash(name) % 1000)
+    rows = []
+    for m in ms:
+        xs = [jax.random.normal(jax.random.key(1000 + m + i), (m, k), jnp.bfloat16) for i in range(copies)]
+        refs = {"w8a16": fp8_gemm.w8a16_matmul_reference(xs[0], weights[0][0], weights[0][1]),
+                "w8a8": fp8_gemm.w8a8_matmul_reference(xs[0], weights[0][0], weights[0][1])}
+        impls = implementations(m, kernel_configs_for(n, k, m))
+        jobs = {}
+        for impl, (fn, bf16w, _) in impls.items():
+            ws = [w[2] if bf16w else w[0] for w in weights]
+            jobs[impl] = (many(fn, copies), (xs, ws, [w[1] for w in weights]))
+        compiled = compile_all(jobs)
+        for impl, (fn, bf16w, ref_name) in impls.items():
+            row = {"shape": name, "n": n, "k": k, "m": m, "impl": impl, "copies": copies}
+            exe = compiled[impl]
+            if isinstance(exe, Exception):
+                row["error"] = f"{type(exe).__name__}: {str(exe)[:400]}"
+                log(f"{name} m={m} {impl}: COMPILE ERROR {row['error'][:200]}")
+                rows.append(row)
+                continue
+            args = jobs[impl][1]
+            try:
+                outs = exe(*args)
+                if ref_name is not None:
+                    row["rel_err"] = rel_err(outs[0], refs[ref_name])
+                    row["ok"] = row["rel_err"] <= TOLERANCE
+                if bf16w:
+                    row["rel_err_vs_w8a16_ref"] = rel_err(outs[0], refs["w8a16"])
+                t = dtime(exe, args)
+                if t:
+                    row["us"] = t["ksum"] / copies * 1e6
+                    row["span_us"] = t["span"] / copies * 1e6
+                    row["kernels_per_call"] = t["kernels"] / copies
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            weight_bytes = n * k * (2 if bf16w else 1)
+            if "us" in row:
+                row["weight_bytes"] = weight_bytes
+                row["tflops"] = 2 * m * n * k / (row["us"] * 1e-6) / 1e12
+            log(f"{name:12s} m={m:5d} {impl:13s} " + (
+                f"{row['us']:9.1f} us  {row.get('rel_err', float('nan')):.1e}" if "us" in row
+                else row.get("error", "?")[:200]))
+            rows.append(row)
+    del weights
+    return rows
+
+
+def fp8_rate(n: int = 8192, repeats: int = 3) -> dict:
+    """The 8192^3 e4m3 x e4m3 dot (float32 out) through XLA: rate and whether it is cuBLASLt."""
+    a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(fp8_gemm.FP8)
+    b = jax.random.normal(jax.random.key(2), (n, n), jnp.float32).astype(fp8_gemm.FP8)
+    fn = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                                  preferred_element_type=jnp.float32))
+    hlo = fn.lower(a, b).compile().as_text()
+    calls = sorted({line.split('custom_call_target="')[1].split('"')[0]
+                    for line in hlo.splitlines() if 'custom_call_target="' in line})
+    tries = []
+    for _ in range(repeats):
+        tries.append(dtime(fn, (a, b))["ksum"])
+    seconds = min(tries)
+    out = {"what": f"{n}^3 e4m3 x e4m3 -> f32 XLA dot (FLOP/s)", "best": 2 * n**3 / seconds,
+           "tries_tflops": [round(2 * n**3 / s / 1e12, 1) for s in tries], "custom_calls": calls,
+           "cublaslt_fp8": any("cublas$lt" in c for c in calls) and "f8e4m3fn" in hlo}
+    bf = jax.jit(jnp.matmul)
+    a16, b16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    t16 = min(dtime(bf, (a16, b16))["ksum"] for _ in range(2))
+    out["bf16_matmul_flops"] = 2 * n**3 / t16
+    return out
+
+
+def probe(out_dir: str, log) -> dict:
+    """The device's API, the FP8 dot, and each kernel variant on two shapes."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    info = {"jax": jax.__version__, "plgpu": [x for x in dir(plgpu) if not x.startswith("_")]}
+    try:
+        from jax._src.lib import mosaic_gpu as mgpu_lib
+        info["ptxas_isa"] = mgpu_lib._mosaic_gpu_ext._get_ptxas_isa_version()
+    except Exception as e:  # noqa: BLE001
+        info["ptxas_isa"] = repr(e)
+    log(json.dumps({k: v for k, v in info.items() if k != "plgpu"}))
+    log("plgpu: " + " ".join(info["plgpu"]))
+    import shutil
+    import jax.experimental.pallas.ops.gpu as ops
+    for f in ("hopper_matmul_mgpu.py", "hopper_mixed_type_matmul_mgpu.py"):
+        try:
+            shutil.copy(os.path.join(os.path.dirname(ops.__file__), f), os.path.join(out_dir, f))
+        except Exception as e:  # noqa: BLE001
+            log(f"copy {f}: {e}")
+    variants16 = {
+        "f16_t64_k256_s4": mosaic.W8A16Config(64, 256, 4, 1, "f16"),
+        "bf16_t64_k256_s4": mosaic.W8A16Config(64, 256, 4, 1, "bf16"),
+        "f16_t64_k256_s4_split4": mosaic.W8A16Config(64, 256, 4, 4, "f16"),
+        "f16_t128_k256_s4_split2": mosaic.W8A16Config(128, 256, 4, 2, "f16"),
+        "f16_t64_k512_s3_split2": mosaic.W8A16Config(64, 512, 3, 2, "f16"),
+        "f16_t64_k128_s6_split4": mosaic.W8A16Config(64, 128, 6, 4, "f16"),
+    }
+    variants8 = {
+        "ws_128x128x128_s4": mosaic.W8A8Config(128, 128, 128, 4, True),
+        "ws_128x256x128_s3": mosaic.W8A8Config(128, 256, 128, 3, True),
+        "ws_64x256x128_s4": mosaic.W8A8Config(64, 256, 128, 4, True),
+        "ws_128x128x256_s3": mosaic.W8A8Config(128, 128, 256, 3, True),
+        "one_128x128x128_s4": mosaic.W8A8Config(128, 128, 128, 4, False),
+        "one_64x256x128_s4": mosaic.W8A8Config(64, 256, 128, 4, False),
+    }
+    results = []
+    for shape, (n, k) in (("8b.o", SHAPES["8b.o"]), ("8b.gate_up", SHAPES["8b.gate_up"])):
+        copies = copies_for(n, k)
+        weights = make_weights(n, k, copies, seed=7)
+        for alg, variants, ms in (("w8a16", variants16, (16, 64)), ("w8a8", variants8, (256, 4096))):
+            for m in ms:
+                xs = [jax.random.normal(jax.random.key(m + i), (m, k), jnp.bfloat16) for i in range(copies)]
+                ref_fn = fp8_gemm.w8a16_matmul_reference if alg == "w8a16" else fp8_gemm.w8a8_matmul_reference
+                ref = ref_fn(xs[0], weights[0][0], weights[0][1])
+                fns = {v: (lambda x, w, s, c=c: (mosaic.w8a16_matmul if alg == "w8a16" else mosaic.w8a8_matmul)(x, w, s, c))
+                       for v, c in variants.items()}
+                fns["xla_" + alg] = fp8_gemm.w8a16_matmul_reference if alg == "w8a16" else xla_w8a8
+                fns["xla_bf16"] = bf16_dot
+                jobs = {v: (many(f, copies), (xs, [w[2] if v == "xla_bf16" else w[0] for w in weights],
+                                              [w[1] for w in weights])) for v, f in fns.items()}
+                t0 = time.perf_counter()
+                compiled = compile_all(jobs)
+                log(f"-- {shape} {alg} m={m}: compiled {len(jobs)} in {time.perf_counter() - t0:.1f}s")
+                for v, exe in compiled.items():
+                    row = {"shape": shape, "alg": alg, "m": m, "variant": v}
+                    if isinstance(exe, Exception):
+                        row["error"] = "".join(traceback.format_exception_only(type(exe), exe))[-1500:]
+                        log(f"   {v}: ERROR {row['error'][-700:]}")
+                        results.append(row)
+                        continue
+                    try:
+                        outs = exe(*jobs[v][1])
+                        row["rel_err"] = rel_err(outs[0], ref)
+                        t = dtime(exe, jobs[v][1])
+                        row["us"] = t["ksum"] / copies * 1e6
+                        row["kernels"] = t["kernels"] / copies
+                        log(f"   {v:28s} {row['us']:9.1f} us  err {row['rel_err']:.1e}  "
+                            f"{n * k / row['us'] / 1e6:.2f} TB/s(fp8 w)  {2 * m * n * k / row['us'] / 1e6:.0f} TFLOP/s")
+                    except Exception as e:  # noqa: BLE001
+                        row["error"] = "".join(traceback.format_exception_only(type(e), e))[-1500:]
+                        log(f"   {v}: RUN ERROR {row['error'][-700:]}")
+                    results.append(row)
+        del weights
+    info["variants"] = results
+    return info
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--probe", action="store_true")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--ms", default=",".join(map(str, MS)))
+    parser.add_argument("--stream-gib", type=float, default=2.0)
+    parser.add_argument("--fp8-n", type=int, default=8192, help="size of the FP8 rate's square dot")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    log_file = open(os.path.join(args.out, "probe.log" if args.probe else "fp8_gemm.log"), "w")
+
+    def log(line):
+        print(line, flush=True)
+        log_file.write(line + "\n")
+        log_file.flush()
+
+    started = time.time()
+    log(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))}
+    rate = fp8_rate(args.fp8_n)
+    log(f"fp8 rate: {rate['best'] / 1e12:.0f} TFLOP/s {rate['tries_tflops']} cublaslt_fp8={rate['cublaslt_fp8']} "
+        f"calls={rate['custom_calls']}; bf16 8192^3: {rate['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s")
+    stream = read_ceiling(int(args.stream_gib * (1 << 30)), repeats=2)
+    log(f"read-only stream: {stream['best'] / 1e12:.3f} TB/s {stream['tries']}")
+    result.update(fp8_rate=rate, stream=stream)
+    failed = False
+    if args.probe:
+        result["probe"] = probe(args.out, log)
+    else:
+        rows = []
+        for name in args.shapes.split(","):
+            n, k = SHAPES[name]
+            rows += bench_shape(name, n, k, [int(m) for m in args.ms.split(",")],
+                                lambda n, k, m: {"w8a16": None, "w8a8": None}, log)
+        for row in rows:
+            if "us" in row:
+                row["stream_fraction"] = row["weight_bytes"] / (row["us"] * 1e-6) / stream["best"]
+                row["fp8_fraction"] = 2 * row["m"] * row["n"] * row["k"] / (row["us"] * 1e-6) / rate["best"]
+            if row.get("ok") is False or ("error" in row and row["impl"].startswith("mosaic")):
+                failed = True
+        result["rows"] = rows
+        result["configs"] = {f"{r['shape']}.m{r['m']}": {
+            "w8a16": dataclasses.asdict(mosaic.w8a16_config(r["n"], r["k"], r["m"])),
+            "w8a8": dataclasses.asdict(mosaic.w8a8_config(r["n"], r["k"], r["m"]))} for r in rows}
+        log(summary(rows))
+    result["seconds"] = time.time() - started
+    with open(os.path.join(args.out, "probe.json" if args.probe else "fp8_gemm.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    log(f"done in {result['seconds']:.0f}s")
+    sys.exit(1 if failed else 0)
+
+
+def summary(rows) -> str:
+    """Per shape and m: us of each implementation, the kernels' fractions, vs bf16."""
+    table = {}
+    for r in rows:
+        table.setdefault((r["shape"], r["m"]), {})[r["impl"]] = r
+    lines = [f"{'shape':12s} {'m':>5s} {'bf16':>8s} {'xw8a16':>8s} {'xw8a8':>8s} {'mw8a16':>8s} {'mw8a8':>8s}"
+             f" {'w16/strm':>8s} {'w8/fp8':>7s} {'w16 vs bf16':>11s} {'w8 vs bf16':>10s}"]
+    for (shape, m), impls in table.items():
+        us = {i: impls[i].get("us") for i in impls}
+        fmt = lambda v: f"{v:8.1f}" if v else f"{'-':>8s}"  # noqa: E731
+        w16, w8, bf = us.get("mosaic_w8a16"), us.get("mosaic_w8a8"), us.get("xla_bf16")
+        lines.append(
+            f"{shape:12s} {m:5d} {fmt(bf)} {fmt(us.get('xla_w8a16'))} {fmt(us.get('xla_w8a8'))} {fmt(w16)} {fmt(w8)}"
+            f" {impls.get('mosaic_w8a16', {}).get('stream_fraction', 0):8.2f}"
+            f" {impls.get('mosaic_w8a8', {}).get('fp8_fraction', 0):7.2f}"
+            f" {(bf / w16 if w16 and bf else 0):11.2f} {(bf / w8 if w8 and bf else 0):10.2f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,341 @@
+"""Pallas Mosaic GPU kernels (Hopper, sm_90a) behind ``fp8_gemm.fp8_matmul(...,
+implementation="pallas")``: the contract, the references and the algorithm choice are in
+:mod:`fp8_gemm`.
+
+``w8a16`` computes ``out.T = W @ x.T`` so that the weight tile is wgmma's A operand (64
+or 128 weight rows, the only side wgmma takes from registers) and the few tokens are its
+N (a multiple of 8: the wrapper pads ``m``). Each step loads an e4m3 tile ``[tile_n,
+tile_k]`` by TMA, converts it to float16 in registers (``cvt.rn.f16x2.e4m3x2``, one
+instruction per two weights; e4m3 -> bf16 has no such instruction on sm_90) and issues
+the wgmma against the activations' tile ``[m, tile_k]`` from shared memory, K-major.
+Because the weights are float16, the activations are too: each row of ``x`` is divided
+by a power of two that puts its absmax in ``[2**14, 2**15)``, which is exact for every
+bf16 value of the row above ``absmax * 2**-29`` (bf16's 8 significant bits fit in
+float16's 11), and the power of two is multiplied back onto the float32 accumulator.
+So the products are the reference's products; only the accumulation order differs.
+Split-K (``split_k`` CTAs per 64-row stripe, each a float32 partial) fills the 132 SMs
+when ``n`` is small; XLA sums the partials and applies the scales in one small fusion.
+
+``w8a8`` quantizes ``x`` per row in XLA (:func:`fp8_gemm.quantize_rows`), then runs an
+e4m3 x e4m3 wgmma GEMM with both operands K-major from shared memory (the weight
+``[tile_n, tile_k]`` tile seen transposed), float32 accumulators, and the scales
+``x_scale[m] * scale[n]`` applied to the accumulator in the epilogue before the one
+rounding to bf16. Two warpgroups compute (each ``tile_m`` rows of a ``2 * tile_m`` CTA
+tile) while a third only issues TMA copies.
+
+A shape a config does not divide falls back to the reference (XLA) and says so in
+:func:`supports`.
+
+Measured numbers: see the module docstring's last section, filled from
+benchmarks/results/fp8_h200/gemm/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxtyping import Array, Float
+
+from . import fp8_gemm
+
+_F32 = jnp.float32
+_F16 = jnp.float16
+_BF16 = jnp.bfloat16
+
+
+def _tiled(block_minor: int, dtype) -> tuple:
+    """TMA/wgmma shared-memory transforms for a tile whose minor dimension holds
+    ``block_minor`` elements of ``dtype``: 8-row tiles, the widest swizzle that divides."""
+    bits = jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(block_minor * bits)
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+# ---------------------------------------------------------------------------- w8a16
+
+
+@dataclasses.dataclass(frozen=True)
+class W8A16Config:
+    """``tile_n`` weight rows (wgmma M: 64 or 128) by ``tile_k`` per pipeline step,
+    ``stages`` steps in flight, the K axis cut into ``split_k`` independent CTAs."""
+
+    tile_n: int = 64
+    tile_k: int = 256
+    stages: int = 4
+    split_k: int = 1
+    operand: str = "f16"  # or "bf16": e4m3 -> bf16 in registers, x unscaled
+
+    def __post_init__(self):
+        if self.operand not in ("f16", "bf16"):
+            raise ValueError(f"W8A16Config.operand must be 'f16' or 'bf16', got {self.operand!r}")
+        if self.tile_n not in (64, 128):
+            raise ValueError(f"W8A16Config.tile_n must be 64 or 128 (wgmma M), got {self.tile_n}")
+        if self.tile_k % 128 or self.tile_k <= 0:
+            raise ValueError(f"W8A16Config.tile_k must be a positive multiple of 128 (one 128-byte swizzle of e4m3), got {self.tile_k}")
+        if self.stages < 1 or self.split_k < 1:
+            raise ValueError(f"W8A16Config.stages and split_k must be >= 1, got {self.stages} and {self.split_k}")
+
+    def divides(self, n: int, k: int) -> bool:
+        return n % self.tile_n == 0 and k % (self.tile_k * self.split_k) == 0
+
+
+def w8a16_config(n: int, k: int, m: int) -> W8A16Config:
+    """The config used for an ``[m, k] @ [n, k].T`` decode GEMM: enough CTAs for 132 SMs
+    (split-K when ``n / 64`` stripes are too few), at least 4 steps per CTA."""
+    del m
+    stripes = n // 64
+    split = 1
+    while stripes * split < 264 and k % (256 * split * 2) == 0 and k // (256 * split * 2) >= 4:
+        split *= 2
+    return W8A16Config(tile_n=64, tile_k=256, stages=4, split_k=split)
+
+
+def _f16_rows(x: Float[Array, "m k"]) -> tuple[Float[Array, "m k"], Float[Array, "m"]]:
+    """``x`` as float16 divided per row by a power of two (absmax into [2**14, 2**15));
+    exact for bf16 inputs down to absmax * 2**-29. Returns the rows and the powers."""
+    x32 = x.astype(_F32)
+    absmax = jnp.max(jnp.abs(x32), axis=-1)
+    _, exponent = jnp.frexp(absmax)  # absmax in [2**(e-1), 2**e); 0 -> e = 0
+    row_scale = jnp.ldexp(jnp.ones_like(absmax), exponent - 15)
+    return (x32 / row_scale[:, None]).astype(_F16), row_scale
+
+
+def _w8a16_partials(
+    x16: Float[Array, "m_pad k"], values: Float[Array, "n k"], config: W8A16Config
+) -> Float[Array, "n split_m"]:
+    m_pad, k = x16.shape
+    n = values.shape[0]
+    tile_n, tile_k, split = config.tile_n, config.tile_k, config.split_k
+    k_steps = k // (tile_k * split)
+    operand_dtype = x16.dtype
+
+    def kernel(w_smem, x_smem, out_smem, acc_ref):
+        w = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
+        w = plgpu.layout_cast(w.astype(operand_dtype), plgpu.Layout.WGMMA)
+        plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem, (1, 0)))
+        plgpu.wgmma_wait(0)
+
+        @pl.when(pl.program_id(2) == k_steps - 1)
+        def _store():
+            out_smem[...] = acc_ref[...]
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((n, split * m_pad), _F32),
+        grid=(n // tile_n, split, k_steps),
+        in_specs=[
+            plgpu.BlockSpec((tile_n, tile_k), lambda i, s, j: (i, s * k_steps + j),
+                            transforms=_tiled(tile_k, fp8_gemm.FP8)),
+            plgpu.BlockSpec((m_pad, tile_k), lambda i, s, j: (0, s * k_steps + j),
+                            transforms=_tiled(tile_k, operand_dtype)),
+        ],
+        out_specs=plgpu.BlockSpec((tile_n, m_pad), lambda i, s, j: (i, s),
+                                  transforms=_tiled(m_pad, _F32)),
+        scratch_shapes=[plgpu.ACC((tile_n, m_pad), _F32)],
+        compiler_params=plgpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "sequential"),
+            max_concurrent_steps=min(config.stages, k_steps),
+        ),
+    )(values, x16)
+
+
+def w8a16_matmul(
+    x: Float[Array, "m k"],
+    values: Float[Array, "n k"],
+    scale: Float[Array, "n"],
+    config: W8A16Config | None = None,
+) -> Float[Array, "m n"]:
+    """``(x @ values.T) * scale`` rounded once to ``x.dtype``, by the Mosaic GPU kernel
+    (the reference where ``config`` does not divide ``n, k``)."""
+    m, k = x.shape
+    n = values.shape[0]
+    config = config or w8a16_config(n, k, m)
+    if not config.divides(n, k):
+        return fp8_gemm.w8a16_matmul_reference(x, values, scale)
+    m_pad = max(8, -(-m // 8) * 8)
+    x_pad = jnp.pad(x, ((0, m_pad - m), (0, 0)))
+    if config.operand == "f16":
+        x16, row_scale = _f16_rows(x_pad)
+    else:
+        x16, row_scale = x_pad.astype(_BF16), jnp.ones((m_pad,), _F32)
+    partials = _w8a16_partials(x16, values, config)
+    acc_t = partials.reshape(n, config.split_k, m_pad).sum(axis=1)
+    out = acc_t.T[:m] * row_scale[:m, None] * scale[None, :]
+    return out.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- w8a8
+
+
+@dataclasses.dataclass(frozen=True)
+class W8A8Config:
+    """Each of two compute warpgroups owns ``tile_m x tile_n`` of a ``2 * tile_m`` by
+    ``tile_n`` CTA tile; ``tile_k`` per step, ``stages`` steps in flight."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 128
+    stages: int = 4
+    warp_specialized: bool = True  # False: one warpgroup, a pallas_call grid (tile_m rows)
+
+    def __post_init__(self):
+        if self.tile_m % 64 or self.tile_m <= 0:
+            raise ValueError(f"W8A8Config.tile_m must be a positive multiple of 64 (wgmma M), got {self.tile_m}")
+        if self.tile_n % 8 or not 0 < self.tile_n <= 256:
+            raise ValueError(f"W8A8Config.tile_n must be a multiple of 8 up to 256 (wgmma N), got {self.tile_n}")
+        if self.tile_k % 128 or self.tile_k <= 0:
+            raise ValueError(f"W8A8Config.tile_k must be a positive multiple of 128, got {self.tile_k}")
+        if self.stages < 2:
+            raise ValueError(f"W8A8Config.stages must be >= 2, got {self.stages}")
+
+    @property
+    def cta_m(self) -> int:
+        return 2 * self.tile_m if self.warp_specialized else self.tile_m
+
+    def divides(self, n: int, k: int) -> bool:
+        return n % self.tile_n == 0 and k % self.tile_k == 0
+
+
+def w8a8_config(n: int, k: int, m: int) -> W8A8Config:
+    """The config used for an ``[m, k] @ [n, k].T`` prefill GEMM."""
+    del n, k
+    if m <= 128:
+        return W8A8Config(tile_m=64, tile_n=128, tile_k=128, stages=4)
+    return W8A8Config(tile_m=128, tile_n=128, tile_k=128, stages=4)
+
+
+def _w8a8_gemm(
+    xq: Float[Array, "m_pad k"],
+    x_scale: Float[Array, "m_pad"],
+    values: Float[Array, "n k"],
+    scale: Float[Array, "n"],
+    config: W8A8Config,
+) -> Float[Array, "m_pad n"]:
+    m_pad, k = xq.shape
+    n = values.shape[0]
+    tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
+    k_steps = k // tile_k
+    operand = _tiled(tile_k, fp8_gemm.FP8)
+
+    def kernel(a_gmem, b_gmem, xs_gmem, ws_gmem, out_gmem, out_smem):
+        mi = lax.axis_index("m")
+        ni = lax.axis_index("n")
+        wg = lax.axis_index("wg")
+        rows = pl.ds(mi * 2 * tile_m + wg * tile_m, tile_m)
+        cols = pl.ds(ni * tile_n, tile_n)
+
+        def compute_context(eval_pipeline):
+            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), _F32))
+            def _acc_scope(acc_ref):
+                eval_pipeline(acc_ref)
+                acc = acc_ref[...]
+                xs = plgpu.load(xs_gmem.at[rows], (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                ws = plgpu.load(ws_gmem.at[cols], (), layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                acc = acc * lax.broadcast_in_dim(xs, acc.shape, [0])
+                acc = acc * lax.broadcast_in_dim(ws, acc.shape, [1])
+                out_smem[wg] = acc.astype(_BF16)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[rows, cols])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        def body(_, a_smem, b_smem, acc_ref):
+            plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg * tile_m, tile_m)], plgpu.transpose_ref(b_smem, (1, 0)))
+            plgpu.wgmma_wait(0)
+            return acc_ref
+
+        plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_steps,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((2 * tile_m, tile_k), lambda j: (mi, j), transforms=operand),
+                plgpu.BlockSpec((tile_n, tile_k), lambda j: (ni, j), transforms=operand),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=min(config.stages, k_steps),
+            compute_context=compute_context,
+        )(a_gmem, b_gmem)
+
+    return plgpu.kernel(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m_pad, n), _BF16),
+        grid=(m_pad // (2 * tile_m), n // tile_n),
+        grid_names=("m", "n"),
+        num_threads=3,
+        thread_name="wg",
+        scratch_shapes=dict(out_smem=plgpu.SMEM((2, tile_m, tile_n), _BF16, transforms=_tiled(tile_n, _BF16))),
+    )(xq, values, x_scale, scale)
+
+
+def _w8a8_gemm_one_warpgroup(
+    xq: Float[Array, "m_pad k"],
+    x_scale: Float[Array, "m_pad"],
+    values: Float[Array, "n k"],
+    scale: Float[Array, "n"],
+    config: W8A8Config,
+) -> Float[Array, "m_pad n"]:
+    m_pad, k = xq.shape
+    n = values.shape[0]
+    tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
+    k_steps = k // tile_k
+    operand = _tiled(tile_k, fp8_gemm.FP8)
+
+    def kernel(a_smem, b_smem, xs_smem, ws_smem, out_smem, acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
+        plgpu.wgmma_wait(0)
+
+        @pl.when(pl.program_id(2) == k_steps - 1)
+        def _epilogue():
+            acc = acc_ref[...]
+            xs = plgpu.load(xs_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
+            ws = plgpu.load(ws_smem, (), layout=plgpu.Layout.WGMMA.reduce(0))
+            acc = acc * lax.broadcast_in_dim(xs, acc.shape, [0])
+            acc = acc * lax.broadcast_in_dim(ws, acc.shape, [1])
+            out_smem[...] = acc.astype(_BF16)
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m_pad, n), _BF16),
+        grid=(m_pad // tile_m, n // tile_n, k_steps),
+        in_specs=[
+            plgpu.BlockSpec((tile_m, tile_k), lambda i, j, s: (i, s), transforms=operand),
+            plgpu.BlockSpec((tile_n, tile_k), lambda i, j, s: (j, s), transforms=operand),
+            plgpu.BlockSpec((tile_m,), lambda i, j, s: (i,)),
+            plgpu.BlockSpec((tile_n,), lambda i, j, s: (j,)),
+        ],
+        out_specs=plgpu.BlockSpec((tile_m, tile_n), lambda i, j, s: (i, j),
+                                  transforms=_tiled(tile_n, _BF16)),
+        scratch_shapes=[plgpu.ACC((tile_m, tile_n), _F32)],
+        compiler_params=plgpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "sequential"),
+            max_concurrent_steps=min(config.stages, k_steps),
+        ),
+    )(xq, values, x_scale, scale)
+
+
+def w8a8_matmul(
+    x: Float[Array, "m k"],
+    values: Float[Array, "n k"],
+    scale: Float[Array, "n"],
+    config: W8A8Config | None = None,
+) -> Float[Array, "m n"]:
+    """``x`` quantized per row, then ``(xq @ values.T) * x_scale * scale`` rounded once
+    to ``x.dtype``, by the Mosaic GPU kernel (the reference where ``config`` does not
+    divide ``n, k``)."""
+    m, k = x.shape
+    n = values.shape[0]
+    config = config or w8a8_config(n, k, m)
+    if not config.divides(n, k):
+        return fp8_gemm.w8a8_matmul_reference(x, values, scale)
+    m_pad = -(-m // config.cta_m) * config.cta_m
+    xq, x_scale = fp8_gemm.quantize_rows(jnp.pad(x, ((0, m_pad - m), (0, 0))))
+    gemm = _w8a8_gemm if config.warp_specialized else _w8a8_gemm_one_warpgroup
+    out = gemm(xq, x_scale, values, scale, config)
+    return out[:m].astype(x.dtype)
