@@ -38,6 +38,8 @@ def ragged_paged_attention(
     kv_slot_of_head: Sequence[int] | None = None,
     implementation: str = "auto",
     config: Any = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Float[Array, "tokens q_heads head_dim"]:
     """Causal attention of every query token over its sequence's paged keys.
 
@@ -51,6 +53,11 @@ def ragged_paged_attention(
     Padding tokens give zeros.
     Returns ``q.dtype``, accumulated in f32. ``config``: a ``PallasAttentionConfig`` for the
     Pallas path (ignored by the reference).
+
+    The caches' dtype is read from the arrays. An FP8 cache (``float8_e4m3fn``) holds
+    ``k / k_scale`` and ``v / v_scale`` (``write_qkv_to_cache``); it is read as
+    ``e4m3 * scale``, with ``k_scale`` folded into ``sm_scale`` and ``v_scale`` into the
+    output. Other caches ignore the scales.
     """
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(
@@ -61,11 +68,11 @@ def ragged_paged_attention(
     if implementation == "reference":
         return ragged_paged_attention_reference(
             q, k_cache, v_cache, metadata, layer=layer, sm_scale=sm_scale,
-            kv_slot_of_head=kv_slot_of_head,
+            kv_slot_of_head=kv_slot_of_head, k_scale=k_scale, v_scale=v_scale,
         )
     from .pallas_gpu import ragged_paged_attention_pallas  # Triton lowering only when asked
 
     return ragged_paged_attention_pallas(
         q, k_cache, v_cache, metadata, layer=layer, sm_scale=sm_scale,
-        kv_slot_of_head=kv_slot_of_head, config=config,
+        kv_slot_of_head=kv_slot_of_head, config=config, k_scale=k_scale, v_scale=v_scale,
     )

@@ -35,6 +35,16 @@ Measured on the H200 (benchmarks/README.md, "Attention kernels"): decode 64 x 40
 32 q / 8 KV, D128 bf16 at 86% of the copy bandwidth; 8 q / 1 KV only 34% (134 MB per call,
 so fixed per-call costs dominate); prefill 2048 after 2048 at 58% of cuDNN's FLOP/s.
 
+FP8 caches (``float8_e4m3fn``): the kernels load e4m3 blocks (half the bytes of bf16) and
+convert them in registers to the compute dtype, q's (exact: every e4m3 value is a bf16
+value), so the dots are the bf16 cache's dots over the dequantised values. ``k_scale`` is
+folded into the softmax scale (one scalar product on the host, applied to q as
+``sm_scale`` already is) and ``v_scale`` into the normalised output (one multiply per
+output element, in the decode combine and in the prefill kernel's epilogue), so no per-key
+work is added. Against a bf16 cache holding ``e4m3 * scale`` this moves one rounding
+(of q times the scales instead of the cache times its scale); with power-of-two scales
+the two agree exactly. Other caches ignore the scales.
+
 Caches of more than 2**31 elements per array are read correctly at their far end (checked
 on the H200 with a 2.2e9-element bf16 cache: tests/test_kernels_gpu.py
 ::test_cache_larger_than_int32_offsets), so offsets do not overflow 32 bits.
@@ -56,6 +66,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from .metadata import AttentionMetadata, heads_by_slot, kv_slot_map, token_layout
+from .reference import check_scales, is_fp8_cache
 
 # Finite, so that exp(mask - m) is 0 without inf - inf; every block a program visits has
 # at least one visible key for its real rows, so masked logits never win a row max.
@@ -117,13 +128,17 @@ class PallasAttentionConfig:
 _SHARED_MEMORY_BUDGET = 160 * 1024
 
 
-def _fit_shared_memory(rows, block_k, stages, *, page_size, head_dim, itemsize, min_rows):
+def _fit_shared_memory(rows, block_k, stages, *, page_size, head_dim, itemsize, cache_itemsize, min_rows):
     """Shrink stages (to 2), then the key block (to a page, or 32), then rows, then stages
-    (to 1) until q plus ``stages`` pipelined K and V blocks fit the budget."""
+    (to 1) until q plus ``stages`` pipelined K and V blocks fit the budget. ``itemsize`` is
+    the compute dtype's; a narrower cache (FP8) counts its pipelined blocks at its own
+    width plus one converted K and V block at the compute width."""
     block_k = max(block_k, page_size)
 
     def fits():
-        return (rows + 2 * stages * block_k) * head_dim * itemsize <= _SHARED_MEMORY_BUDGET
+        converted = 2 * block_k * itemsize if cache_itemsize != itemsize else 0
+        q_and_blocks = rows * itemsize + 2 * stages * block_k * cache_itemsize + converted
+        return q_and_blocks * head_dim <= _SHARED_MEMORY_BUDGET
     while not fits() and stages > 2:
         stages -= 1
     while not fits() and block_k > max(page_size, 32):
@@ -150,6 +165,8 @@ def _scaled_q(q, sm_scale):
 def _online_softmax_step(q, k, v, carry, mask):
     """One flash step: fold a [rows, block_k] block of base-2 logits into (o, m, l)."""
     o, m, l = carry
+    if k.dtype != q.dtype:  # an FP8 cache: e4m3 to the compute dtype, exact
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     s = plgpu.dot(q, k, trans_b=True, precision=precision)  # f32 [rows, block_k]
     if mask is not None:
@@ -229,7 +246,7 @@ def _decode_kernel(
 
 def _prefill_kernel(
     tile_seq_ref, tile_token0_ref, tile_pos0_ref, tile_rows_ref, page_table_ref, layer_ref,
-    q_ref, k_ref, v_ref, out_init_ref, out_ref, *, group, block_q, block_k, page_size, sm_scale,
+    q_ref, k_ref, v_ref, out_init_ref, out_ref, *, group, block_q, block_k, page_size, sm_scale, out_scale,
 ):
     del out_init_ref  # aliased with out_ref: rows no tile owns keep their initial value
     tile, slot = pl.program_id(0), pl.program_id(1)
@@ -263,6 +280,8 @@ def _prefill_kernel(
         carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
         o, _, l = lax.fori_loop(full, end, functools.partial(step, masked=True), carry)
         o = o / l[:, None]
+        if out_scale is not None:  # an FP8 cache's v_scale
+            o = o * out_scale
         row_valid = (row_token < num_rows)[:, None]
         plgpu.store(
             out_ref.at[slot, pl.ds(token0 * group, rows), :],
@@ -302,6 +321,8 @@ def ragged_paged_attention_pallas(
     sm_scale: float,
     kv_slot_of_head: Sequence[int] | None = None,
     config: PallasAttentionConfig | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     _poison: bool = False,
 ) -> Float[Array, "tokens q_heads head_dim"]:
     """The Pallas path of ``ragged_paged_attention`` (same contract).
@@ -320,6 +341,14 @@ def ragged_paged_attention_pallas(
         )
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}; use one dtype.")
+    check_scales(k_scale, v_scale)
+    fp8 = is_fp8_cache(k_cache.dtype)
+    # The dots run in the cache's dtype (a model may carry q in f32 over a bf16 cache);
+    # over an FP8 cache they run in q's, the blocks converted after loading.
+    compute_dtype = q.dtype if fp8 else k_cache.dtype
+    if fp8:
+        sm_scale = sm_scale * k_scale
+    out_scale = v_scale if fp8 and v_scale != 1.0 else None
     groups = heads_by_slot(kv_slot_map(q_heads, kv_slots, kv_slot_of_head), kv_slots)
     group = _next_power_of_two(max(len(heads) for heads in groups))
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
@@ -327,7 +356,8 @@ def ragged_paged_attention_pallas(
     # Rows: q_rows[slot, token * group + g] = q[token, groups[slot][g]] (padded groups repeat
     # a head of the slot, or head 0 for a slot no head reads; their rows are dropped).
     head_of_row = [[(heads[g] if g < len(heads) else (heads[0] if heads else 0)) for g in range(group)] for heads in groups]
-    fit = functools.partial(_fit_shared_memory, page_size=page_size, head_dim=head_dim, itemsize=k_cache.dtype.itemsize)
+    fit = functools.partial(_fit_shared_memory, page_size=page_size, head_dim=head_dim,
+                            itemsize=jnp.dtype(compute_dtype).itemsize, cache_itemsize=k_cache.dtype.itemsize)
     prefill_rows, prefill_block_k, prefill_stages = fit(
         max(config.prefill_rows, group), config.prefill_block_k, config.prefill_num_stages, min_rows=max(16, group))
     decode_rows = max(16, group)
@@ -336,9 +366,8 @@ def ragged_paged_attention_pallas(
     p_ppb, d_ppb = prefill_block_k // page_size, decode_block_k // page_size
     block_q = max(1, prefill_rows // group)
     pad_tokens = max(block_q, -(-decode_rows // group))
-    # The dots run in the cache's dtype (a model may carry q in f32 over a bf16 cache);
-    # the output comes back in q's dtype.
-    q_rows = q.astype(k_cache.dtype)[:, jnp.array(head_of_row)]  # [T, kv, group, D]
+    # The output comes back in q's dtype.
+    q_rows = q.astype(compute_dtype)[:, jnp.array(head_of_row)]  # [T, kv, group, D]
     q_rows = jnp.pad(q_rows, ((0, pad_tokens), (0, 0), (0, 0), (0, 0)))
     q_rows = q_rows.transpose(1, 0, 2, 3).reshape(kv_slots, (num_tokens + pad_tokens) * group, head_dim)
 
@@ -402,6 +431,8 @@ def ragged_paged_attention_pallas(
     l_sum = functools.reduce(operator.add, [weight[s] * l_part[:, :, s] for s in range(splits)])
     o_sum = functools.reduce(operator.add, [weight[s][..., None] * o_part[:, :, s] for s in range(splits)])
     decode_out = o_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
+    if out_scale is not None:  # an FP8 cache's v_scale
+        decode_out = decode_out * out_scale
 
     # --- prefill ---
     num_tiles = min(-(-num_tokens // block_q) + num_seqs, num_tokens)
@@ -412,7 +443,7 @@ def ragged_paged_attention_pallas(
     out_rows = pl.pallas_call(
         functools.partial(
             _prefill_kernel, group=group, block_q=block_q, block_k=prefill_block_k, page_size=page_size,
-            sm_scale=sm_scale,
+            sm_scale=sm_scale, out_scale=out_scale,
         ),
         grid=(num_tiles, kv_slots),
         in_specs=[pl.no_block_spec] * len(prefill_args),

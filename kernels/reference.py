@@ -10,10 +10,21 @@ whose gathered K/V (``[group, max_pages * page_size, head_dim]`` per slot) and s
 a 2-core CPU at SmolLM2-135M shapes (9 q / 3 kv heads, D 64, 2048 positions, 16
 sequences, bf16 cache of 30 layers), per layer: 16 decode tokens 0.09 s, 64 tokens 0.16 s,
 a 497-token chunk plus 15 decode tokens 0.41 s.
+
+FP8 caches. A cache of dtype ``float8_e4m3fn`` holds ``x / scale`` clipped to +-448 (the
+largest finite e4m3 value; a plain cast of anything beyond it gives NaN) and rounded to
+nearest even, with one static scale per cache for K and one for V (``k_scale``,
+``v_scale``; 1.0 is vLLM's default for ``--kv-cache-dtype fp8`` without calibrated
+scales). ``to_cache_dtype`` is the one definition of that rounding: the reference write
+and the Pallas write kernel both call it. Readers convert e4m3 exactly to the compute
+dtype and fold the scales in: ``k_scale`` into the softmax scale, ``v_scale`` into the
+normalised output. Any other cache dtype ignores the scales and is read and written
+exactly as before they existed.
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import jax.numpy as jnp
@@ -25,6 +36,40 @@ from .metadata import AttentionMetadata, heads_by_slot, kv_slot_map
 # Bytes of gathered K and V (as f32) one chunk of query tokens may hold at once.
 _CHUNK_BUDGET_BYTES = 64 << 20
 
+FP8_CACHE_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
+FP8_MAX = 448.0  # jnp.finfo(float8_e4m3fn).max
+
+
+def is_fp8_cache(dtype) -> bool:
+    """Whether a cache of ``dtype`` stores scaled e4m3 (the only 8-bit cache dtype there is)."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize == 1 and dtype != FP8_CACHE_DTYPE:
+        raise ValueError(f"A KV cache of dtype {dtype.name} is not supported; the 8-bit cache dtype is "
+                         "float8_e4m3fn.")
+    return dtype == FP8_CACHE_DTYPE
+
+
+def check_scales(k_scale: float, v_scale: float) -> None:
+    """The caches' scales must be positive finite Python numbers (static, not traced)."""
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(value, numbers.Real) or not 0.0 < float(value) < float("inf"):
+            raise ValueError(f"{name}={value!r}: the FP8 cache's scales are positive finite Python floats "
+                             "(static per cache, 1.0 without calibration).")
+
+
+def to_cache_dtype(x, dtype, scale: float = 1.0):
+    """``x`` as a cache of ``dtype`` stores it: for ``float8_e4m3fn``, ``x / scale`` (as a
+    multiplication by the f32 reciprocal: exactly rounded on every backend, where a GPU's
+    f32 division need not be) clipped to +-448, then rounded to nearest even; for any other
+    dtype a plain cast, the scale ignored. Also runs inside the Pallas write kernel."""
+    dtype = jnp.dtype(dtype)
+    if not is_fp8_cache(dtype):
+        return x.astype(dtype)
+    x = x.astype(jnp.float32)  # exact from bf16/f16: one rounding, to e4m3, below
+    if scale != 1.0:
+        x = x * jnp.float32(1.0 / scale)
+    return jnp.clip(x, -FP8_MAX, FP8_MAX).astype(dtype)
+
 
 def write_kv_cache(
     k_cache: Float[Array, "layers kv_slots num_pages page_size head_dim"],
@@ -34,11 +79,16 @@ def write_kv_cache(
     slot_mapping: Int[Array, "tokens"],
     *,
     layer: Int[Array, ""] | int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[
     Float[Array, "layers kv_slots num_pages page_size head_dim"],
     Float[Array, "layers kv_slots num_pages page_size head_dim"],
 ]:
     """Write the step's new K/V rows into their cache slots of one layer.
+
+    Rows are stored as ``to_cache_dtype`` makes them: an FP8 cache holds ``k / k_scale``
+    and ``v / v_scale`` clipped and rounded to e4m3; other caches ignore the scales.
 
     ``slot_mapping[t] = page * page_size + offset``; padding tokens point into page 0,
     the scratch page, and may collide there (whichever write lands is irrelevant). One
@@ -49,6 +99,8 @@ def write_kv_cache(
     page = slot_mapping // page_size
     offset = slot_mapping % page_size
     layer = jnp.asarray(layer, jnp.int32)
+    check_scales(k_scale, v_scale)
+    k, v = to_cache_dtype(k, k_cache.dtype, k_scale), to_cache_dtype(v, v_cache.dtype, v_scale)
     # Advanced indices split by a slice put the token axis first: the indexed shape is
     # [tokens, kv_slots, head_dim], exactly k's.
     return (_scatter_bits(k_cache, layer, page, offset, k), _scatter_bits(v_cache, layer, page, offset, v))
@@ -122,10 +174,14 @@ def ragged_paged_attention_reference(
     layer: Int[Array, ""] | int,
     sm_scale: float,
     kv_slot_of_head: Sequence[int] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Float[Array, "tokens q_heads head_dim"]:
     """Causal attention of each sequence's queries over its paged keys, written plainly.
 
     Scores and accumulation in f32; rows with no visible key (padding tokens) give zeros.
+    An FP8 cache is read as f32 (exact), ``k_scale`` multiplies the softmax scale and
+    ``v_scale`` the normalised output; other caches ignore the scales.
     """
     num_tokens, q_heads, head_dim = q.shape
     _, kv_slots, _, page_size, _ = k_cache.shape
@@ -133,6 +189,9 @@ def ragged_paged_attention_reference(
     context = max_pages * page_size
     groups = heads_by_slot(kv_slot_map(q_heads, kv_slots, kv_slot_of_head), kv_slots)
     layer = jnp.asarray(layer, jnp.int32)
+    check_scales(k_scale, v_scale)
+    score_scale = sm_scale * k_scale if is_fp8_cache(k_cache.dtype) else sm_scale
+    out_scale = v_scale if is_fp8_cache(v_cache.dtype) and v_scale != 1.0 else None
 
     num_seqs = metadata.seq_lens.shape[0]
     tile = _tile_size(num_tokens, num_seqs, q_heads, kv_slots * head_dim)
@@ -160,7 +219,7 @@ def ragged_paged_attention_reference(
             v_s = _gather_pages(v_bits, v_cache.dtype, layer, slot, pages)
             q_g = q_w[:, :, jnp.array(heads)]  # [n, C, g, D]
             n, _, g, _ = q_g.shape
-            s = jnp.einsum("nrd,nsd->nrs", q_g.reshape(n, tile * g, head_dim), k_s) * sm_scale
+            s = jnp.einsum("nrd,nsd->nrs", q_g.reshape(n, tile * g, head_dim), k_s) * score_scale
             s = s.reshape(n, tile, g, context)
             s = jnp.where(visible[:, :, None, :], s, -jnp.inf)
             m = jnp.max(s, axis=-1, keepdims=True)
@@ -168,7 +227,8 @@ def ragged_paged_attention_reference(
             p = jnp.exp(s - m)
             l = jnp.sum(p, axis=-1, keepdims=True)
             o = jnp.einsum("nrs,nsd->nrd", p.reshape(n, tile * g, context), v_s)
-            outs.append(o.reshape(n, tile, g, head_dim) / jnp.where(l > 0, l, 1.0))
+            o = o.reshape(n, tile, g, head_dim) / jnp.where(l > 0, l, 1.0)
+            outs.append(o if out_scale is None else o * out_scale)
         order = [h for heads in groups for h in heads]
         inverse = [order.index(h) for h in range(q_heads)]
         return jnp.concatenate(outs, axis=2)[:, :, jnp.array(inverse)]  # [n, C, H, D]

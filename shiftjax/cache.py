@@ -6,6 +6,11 @@ over the head axes ``("tp", "sp")``. Layers are stacked so that the forward pass
 over them; the attention and cache-write kernels take the whole stack and the layer index,
 so no step ever copies a layer's slice. Page 0 is the scratch page: padding tokens write
 there and no sequence owns it.
+
+The dtype is the activations' (bf16, f32) or ``float8_e4m3fn``: an FP8 cache stores K and
+V divided by a static per-cache scale and rounded to e4m3 (``kernels/reference.py``), half
+the bytes of bf16 per page, so twice the tokens per GiB. The CLI's spelling "fp8" is mapped
+to it before it gets here.
 """
 
 from __future__ import annotations
@@ -21,6 +26,18 @@ from shiftjax.layouts.specs import CACHE_SPEC
 from shiftjax.pytrees import unchecked_init
 
 SCRATCH_PAGE = 0
+CACHE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
+
+
+def check_cache_dtype(dtype: str, where: str) -> None:
+    """Raises with a sentence unless ``dtype`` names a dtype the kernels can keep a cache in."""
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name not in CACHE_DTYPES:
+        raise ValueError(f"{where}.dtype={dtype!r} is not a KV-cache dtype; use one of {', '.join(CACHE_DTYPES)} "
+                         "(float8_e4m3fn is the FP8 cache).")
 
 
 @unchecked_init
@@ -41,7 +58,7 @@ class CacheConfig:
             raise ValueError(f"num_pages must be at least 2 (page 0 is scratch), got {self.num_pages}")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a positive power of two, got {self.page_size}")
-        jnp.dtype(self.dtype)  # raises on an unknown dtype name
+        check_cache_dtype(self.dtype, "CacheConfig")
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -59,12 +76,15 @@ class CacheGeometry:
     head_dim: int
     dtype: str
 
+    def __post_init__(self):
+        check_cache_dtype(self.dtype, "CacheGeometry")
+
     def shape(self, num_pages: int) -> tuple[int, ...]:
         return (self.num_layers, self.kv_slots, num_pages, self.page_size, self.head_dim)
 
     def page_bytes_per_device(self, num_devices: int) -> int:
         """Bytes one page takes on one device: K and V, every layer, this device's share of
-        the slots (the slot axis is split over all devices)."""
+        the slots (the slot axis is split over all devices). An FP8 cache's is half of bf16's."""
         local_slots = -(-self.kv_slots // num_devices)
         return 2 * self.num_layers * local_slots * self.page_size * self.head_dim * jnp.dtype(self.dtype).itemsize
 
