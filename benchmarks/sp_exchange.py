@@ -71,7 +71,7 @@ def permute_layer(chunks: int):
             raise ValueError(f"{local} tokens a device do not cut into {chunks} chunks")
         size = local // chunks
         h = rms_norm(x, w.attn_norm, ctx.eps)
-        gathered = [_exchange(_column_blocks(h[c * size:(c + 1) * size], w.wqkv, sp), sp) for c in range(chunks)]
+        gathered = [_exchange(_column_blocks(h[c * size:(c + 1) * size], w.wqkv, sp, ctx), sp) for c in range(chunks)]
         qkv = jnp.swapaxes(jnp.stack(gathered), 0, 1).reshape(sp * local, -1)  # [r, c, n] order
         attn, k_cache, v_cache = attention_core(qkv, w.bqkv, k_cache, v_cache, layer_index, ctx)
         by_device = attn.reshape(sp, chunks, size, -1)
@@ -79,11 +79,11 @@ def permute_layer(chunks: int):
         for c in range(chunks):
             # [n, sp, q]: this device's rows of chunk c, head block b from device b
             heads = _exchange(jnp.swapaxes(by_device[:, c], 0, 1), sp)
-            projected.append(_row_blocks(jnp.swapaxes(heads, 0, 1), w.wo))
+            projected.append(_row_blocks(jnp.swapaxes(heads, 0, 1), w.wo, ctx))
         x = x + lax.psum(jnp.concatenate(projected), TP)
         h = rms_norm(x, w.mlp_norm, ctx.eps)
-        act = _swiglu(_column_blocks(h, w.w_gate_up, sp), dims.ffn)
-        return x + lax.psum(_row_blocks(act, w.w_down), TP), k_cache, v_cache
+        act = _swiglu(_column_blocks(h, w.w_gate_up, sp, ctx), dims.ffn)
+        return x + lax.psum(_row_blocks(act, w.w_down, ctx), TP), k_cache, v_cache
 
     return layer
 

@@ -55,24 +55,36 @@ def quantize_rows(x: Float[Array, "m k"]) -> tuple[Float[Array, "m k"], Float[Ar
     return values, scale
 
 
+def _dequantized(values, scale):
+    """``values * scale`` per row in float32, transposed to ``[k, n]``."""
+    return (values.astype(jnp.float32) * scale[:, None]).T
+
+
 def w8a16_matmul_reference(
     x: Float[Array, "m k"], values: Float[Array, "n k"], scale: Float[Array, "n"]
 ) -> Float[Array, "m n"]:
-    """``(x @ values.T) * scale`` in float32, rounded once to ``x.dtype``."""
-    acc = jnp.einsum("mk,nk->mn", x, values.astype(x.dtype), preferred_element_type=jnp.float32)
-    return (acc * scale[None, :]).astype(x.dtype)
+    """``x @ (values * scale[:, None]).T`` in float32, rounded once to ``x.dtype``.
+
+    The scale multiplies the weight, not the product: a multiply after the dot fuses with
+    what follows it (a bias add, a residual) into an FMA on the CPU in one mode and not in
+    the other (XLA drops optimization barriers before it fuses), and TP and SP mode would
+    no longer agree bit for bit. A kernel scales its float32 accumulator instead; the two
+    differ by float32 roundings."""
+    acc = jnp.dot(x.astype(jnp.float32), _dequantized(values, scale), preferred_element_type=jnp.float32)
+    return acc.astype(x.dtype)
 
 
 def w8a8_matmul_reference(
     x: Float[Array, "m k"], values: Float[Array, "n k"], scale: Float[Array, "n"]
 ) -> Float[Array, "m n"]:
-    """``x`` quantized per row, then ``(xq @ values.T) * x_scale * scale`` in float32,
-    rounded once to ``x.dtype``. e4m3 values are exact in bf16 and their products in
-    float32, so only the accumulation order can differ from a tensor-core kernel."""
+    """``x`` quantized per row, then ``(xq * x_scale) @ (values * scale).T`` in float32,
+    rounded once to ``x.dtype`` (scales on the operands, as in :func:`w8a16_matmul_reference`).
+    e4m3 values and their products are exact in float32, so a tensor-core kernel that
+    scales its accumulator differs from this by float32 roundings only."""
     xq, x_scale = quantize_rows(x)
-    acc = jnp.einsum("mk,nk->mn", xq.astype(jnp.bfloat16), values.astype(jnp.bfloat16),
-                     preferred_element_type=jnp.float32)
-    return (acc * x_scale[:, None] * scale[None, :]).astype(x.dtype)
+    x_dequantized = xq.astype(jnp.float32) * x_scale[:, None]
+    acc = jnp.dot(x_dequantized, _dequantized(values, scale), preferred_element_type=jnp.float32)
+    return acc.astype(x.dtype)
 
 
 def fp8_matmul(

@@ -26,7 +26,9 @@ from jaxtyping import Array, Float
 from shiftjax.batch import StepBatch
 from shiftjax.kernels import AttentionMetadata, apply_rope, ragged_paged_attention, write_qkv_to_cache
 from shiftjax.kernels.collectives import all_reduce, all_to_all, psum_reference
+from shiftjax.kernels.fp8_gemm import DEFAULT_CHOICE, fp8_matmul
 from shiftjax.layouts.mesh import HEAD_AXES, SP, TP
+from shiftjax.quantization import Fp8Weight
 from shiftjax.weights import LayerWeights, LocalDims
 
 
@@ -46,7 +48,8 @@ class Context:
     """Static facts and per-step inputs that every layer of one step reads."""
 
     def __init__(self, dims: LocalDims, eps: float, inv_freq, batch: StepBatch, attention: str,
-                 all_reduce: str = "xla", all_to_all: str = "xla", first_ordinal: int | None = None):
+                 all_reduce: str = "xla", all_to_all: str = "xla", first_ordinal: int | None = None,
+                 quantized_gemm: str = "reference"):
         self.dims = dims
         self.eps = eps
         self.inv_freq = inv_freq
@@ -55,6 +58,10 @@ class Context:
         self.all_reduce = all_reduce  # kernels.collectives.ALL_REDUCES: who sums the layers' partials
         self.all_to_all = all_to_all  # kernels.collectives.ALL_TO_ALLS: who does SP mode's exchanges
         self.first_ordinal = first_ordinal  # the mesh's first CUDA device (the exchange kernels' ranks)
+        self.quantized_gemm = quantized_gemm  # kernels.fp8_gemm's implementation for Fp8Weight GEMMs
+        # Chosen from the step's token count, which both modes share (SP mode's devices each
+        # multiply a slice of it), so both modes quantize the same activations the same way.
+        self.fp8_algorithm = DEFAULT_CHOICE.algorithm(batch.token_ids.shape[0])
 
     @property
     def metadata(self) -> AttentionMetadata:
@@ -92,13 +99,13 @@ def attention_core(
 def tp_layer(x, w: LayerWeights, k_cache, v_cache, layer, ctx: Context):
     """One layer in TP mode: all tokens, this device's head block and FFN block."""
     h = rms_norm(x, w.attn_norm, ctx.eps)
-    qkv = h @ w.wqkv[0]
+    qkv = matmul(h, w.wqkv, ctx)
     attn, k_cache, v_cache = attention_core(qkv, w.bqkv, k_cache, v_cache, layer, ctx)
-    x = x + psum_head_axes(attn @ w.wo[0], ctx.all_reduce)
+    x = x + psum_head_axes(matmul(attn, w.wo, ctx), ctx.all_reduce)
     h = rms_norm(x, w.mlp_norm, ctx.eps)
-    gate_up = h @ w.w_gate_up[0]
+    gate_up = matmul(h, w.w_gate_up, ctx)
     act = _swiglu(gate_up, ctx.dims.ffn)
-    x = x + psum_head_axes(act @ w.w_down[0], ctx.all_reduce)
+    x = x + psum_head_axes(matmul(act, w.w_down, ctx), ctx.all_reduce)
     return x, k_cache, v_cache
 
 
@@ -107,7 +114,7 @@ def sp_layer(x, w: LayerWeights, k_cache, v_cache, layer, ctx: Context):
     dims = ctx.dims
     local_tokens = x.shape[0]
     h = rms_norm(x, w.attn_norm, ctx.eps)
-    qkv = _column_blocks(h, w.wqkv, dims.sp)  # [local_tokens, sp, qkv]
+    qkv = _column_blocks(h, w.wqkv, dims.sp, ctx)  # [local_tokens, sp, qkv]
     # One all-to-all for q, k and v: split head blocks over sp, gather all tokens.
     qkv = all_to_all(qkv, SP, 1, ctx.all_to_all, ctx.first_ordinal)
     attn, k_cache, v_cache = attention_core(qkv[:, 0], w.bqkv, k_cache, v_cache, layer, ctx)
@@ -115,11 +122,11 @@ def sp_layer(x, w: LayerWeights, k_cache, v_cache, layer, ctx: Context):
     attn = attn.reshape(dims.sp, local_tokens, -1)
     attn = all_to_all(attn, SP, 0, ctx.all_to_all, ctx.first_ordinal)
     attn = jnp.swapaxes(attn, 0, 1)  # [local_tokens, sp, q_width]
-    x = x + all_reduce(_row_blocks(attn, w.wo), (TP,), ctx.all_reduce)
+    x = x + all_reduce(_row_blocks(attn, w.wo, ctx), (TP,), ctx.all_reduce)
     h = rms_norm(x, w.mlp_norm, ctx.eps)
-    gate_up = _column_blocks(h, w.w_gate_up, dims.sp)
+    gate_up = _column_blocks(h, w.w_gate_up, dims.sp, ctx)
     act = _swiglu(gate_up, dims.ffn)
-    x = x + all_reduce(_row_blocks(act, w.w_down), (TP,), ctx.all_reduce)
+    x = x + all_reduce(_row_blocks(act, w.w_down, ctx), (TP,), ctx.all_reduce)
     return x, k_cache, v_cache
 
 
@@ -128,24 +135,34 @@ def _swiglu(gate_up, ffn: int):
     return jax.nn.silu(gate) * up
 
 
-def _column_blocks(x, weight, sp: int):
+def matmul(x: Float[Array, "tokens k"], weight, ctx: Context) -> Float[Array, "tokens n"]:
+    """``x @ weight[0]`` for this device's block: a bf16 array ``[1, k, n]``, or an
+    :class:`~shiftjax.quantization.Fp8Weight` (values ``[1, n, k]``), multiplied by
+    ``kernels.fp8_gemm`` with the step's algorithm."""
+    if isinstance(weight, Fp8Weight):
+        return fp8_matmul(x, weight.values[0], weight.scale[0], algorithm=ctx.fp8_algorithm,
+                          implementation=ctx.quantized_gemm)
+    return x @ weight[0]
+
+
+def _column_blocks(x, weight, sp: int, ctx: Context):
     """``x @ block_j`` for the sp blocks of the TP shard, as ``[tokens, sp, n]``."""
     if isinstance(weight, tuple):  # aliased storage: sp separate GEMMs
         # Without a barrier per block XLA's DotMerger fuses the sp GEMMs that share x and
         # concatenates their weights on every call, a copy of the whole TP shard (H200:
         # 138.7 -> 85.7 us for Llama-70B qkv at 8 tokens a device;
         # benchmarks/README.md, "One GPU: the Llama-3-70B layer and the weight storages").
-        return jnp.stack([lax.optimization_barrier(x) @ w[0] for w in weight], axis=1)
+        return jnp.stack([matmul(lax.optimization_barrier(x), w, ctx) for w in weight], axis=1)
     out = x @ weight[0]  # contiguous storage: one GEMM, outputs in block order
     return out.reshape(x.shape[0], sp, -1)
 
 
-def _row_blocks(x, weight):
+def _row_blocks(x, weight, ctx: Context):
     """``sum_j x[:, j] @ block_j``, added in block order."""
     if isinstance(weight, tuple):
-        total = x[:, 0] @ weight[0][0]
+        total = matmul(x[:, 0], weight[0], ctx)
         for j in range(1, len(weight)):
-            total = total + x[:, j] @ weight[j][0]
+            total = total + matmul(x[:, j], weight[j], ctx)
         return total
     return x.reshape(x.shape[0], -1) @ weight[0]
 

@@ -10,6 +10,7 @@ from shiftjax.kernels.collectives import ALL_REDUCES, ALL_TO_ALLS
 ATTENTIONS = ("reference", "pallas", "auto")
 LAYER_LOOPS = ("scan", "unrolled")
 GEMM_BACKENDS = ("triton", "cublas")
+QUANTIZED_GEMMS = ("reference", "pallas", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,9 @@ class StepOptions:
     - ``all_reduce`` / ``all_to_all``: who does TP mode's sums and SP mode's exchanges,
       ``xla`` or ``one_shot`` (``kernels/collectives.py``; two GPUs, set up first).
     - ``gemm``: ``cublas`` or ``triton`` GEMMs on GPUs (``serving/engine/compile.py``).
+    - ``quantized_gemm``: who multiplies FP8 weights (``kernels/fp8_gemm.py``): the XLA
+      ``reference``, the Mosaic GPU kernels (``pallas``), or ``auto``: the kernels where
+      every device of the mesh has FP8 tensor cores, the reference elsewhere (the CPU).
     - ``xla_options``: more XLA options for every step, as ``(name, value)`` pairs (a
       benchmark's variant; the engine adds none).
     """
@@ -39,11 +43,12 @@ class StepOptions:
     sample_in_step: bool = True
     all_reduce: str = "xla"
     all_to_all: str = "xla"
+    quantized_gemm: str = "auto"
     xla_options: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self):
         choices = {"attention": ATTENTIONS, "layer_loop": LAYER_LOOPS, "gemm": GEMM_BACKENDS,
-                   "all_reduce": ALL_REDUCES, "all_to_all": ALL_TO_ALLS}
+                   "all_reduce": ALL_REDUCES, "all_to_all": ALL_TO_ALLS, "quantized_gemm": QUANTIZED_GEMMS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")

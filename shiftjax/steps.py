@@ -21,6 +21,7 @@ from shiftjax.batch import StepBatch
 from shiftjax.cache import KVCache
 from shiftjax.config import rope_inverse_frequencies
 from shiftjax.kernels.collectives import check_one_shot_ready, first_ordinal_of
+from shiftjax.kernels.fp8_gemm import gpu_supports_fp8
 from shiftjax.layouts.mesh import SP
 from shiftjax.layouts.specs import CACHE_SPEC, REPLICATED
 from shiftjax.model import (
@@ -76,6 +77,7 @@ def make_step(weights: ModelWeights, mode: Mode, options: StepOptions = StepOpti
     config, dims, mesh = weights.config, weights.dims, weights.mesh
     inv_freq = tuple(rope_inverse_frequencies(config))
     layer_fn = tp_layer if mode == "tp" else sp_layer
+    quantized_gemm = quantized_gemm_for(options.quantized_gemm, mesh)
 
     with_logits = return_logits or not sample_in_step
     view = params_for(weights, mode)
@@ -84,7 +86,7 @@ def make_step(weights: ModelWeights, mode: Mode, options: StepOptions = StepOpti
     def local_step(param_leaves, k_cache, v_cache, batch: StepBatch):
         params: ShardedParams = param_tree.unflatten(param_leaves)
         ctx = Context(dims, config.rms_norm_eps, jnp.asarray(inv_freq, jnp.float32), batch, attention, all_reduce,
-                      all_to_all, first_ordinal_of(mesh))
+                      all_to_all, first_ordinal_of(mesh), quantized_gemm)
         x = embed_tokens(batch.token_ids, params.embed, dims)
         if mode == "sp":
             local_tokens = x.shape[0] // dims.sp
@@ -128,6 +130,14 @@ def make_step(weights: ModelWeights, mode: Mode, options: StepOptions = StepOpti
         return StepOutput(*outputs), KVCache(k=k, v=v)
 
     return jax.jit(step, donate_argnums=(1,))
+
+
+def quantized_gemm_for(asked: str, mesh) -> str:
+    """``StepOptions.quantized_gemm`` resolved: ``auto`` is the Mosaic GPU kernels where
+    every device has FP8 tensor cores, else the reference (which runs anywhere, slower)."""
+    if asked != "auto":
+        return asked
+    return "pallas" if all(gpu_supports_fp8(device) for device in mesh.devices.flat) else "reference"
 
 
 def params_for(weights: ModelWeights, mode: Mode) -> ShardedParams:

@@ -24,6 +24,7 @@ from shiftjax.layouts.mesh import SP, TP
 from shiftjax.layouts.specs import EMBED_SPEC, LM_HEAD_SPEC, REPLICATED
 from shiftjax.params import Params, param_shapes
 from shiftjax.pytrees import unchecked_init
+from shiftjax.quantization import Fp8Weight, check_quantization, quantize_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,10 +101,12 @@ class ModelWeights:
     storage: str
     tp: ShardedParams
     sp: ShardedParams
+    quantization: str = "none"  # shiftjax.quantization.QUANTIZATIONS
 
 
 def shard_params(
-    params: Params, config: ModelConfig, mesh: Mesh, storage: blk.WeightStorage = "aliased"
+    params: Params, config: ModelConfig, mesh: Mesh, storage: blk.WeightStorage = "aliased",
+    quantization: str = "none",
 ) -> ModelWeights:
     """Expands canonical ``params`` into the head-block layout of ``mesh`` and places them.
 
@@ -113,6 +116,7 @@ def shard_params(
     (``checkpoints.load.restore_weights``, ``checkpoints.dummy.dummy_weights``), and their
     tests compare with this function.
     """
+    check_storage(storage, quantization)
     sp, tp = mesh.shape[SP], mesh.shape[TP]
     layout = head_layout(config.num_heads, config.num_kv_heads, sp, tp)
     dims = local_dims(config, layout)
@@ -162,7 +166,7 @@ def shard_params(
 
     tp_view, sp_view = {}, {}
     for name, kind in (("wqkv", "column"), ("wo", "row"), ("w_gate_up", "column"), ("w_down", "row")):
-        tp_view[name], sp_view[name] = blk.store_blocks(expanded.pop(name), mesh, storage, kind)
+        tp_view[name], sp_view[name] = store_block_weight(expanded.pop(name), mesh, storage, kind, quantization)
 
     def view(weights):
         return ShardedParams(
@@ -171,7 +175,33 @@ def shard_params(
                                 bqkv=expanded["bqkv"], **weights))
 
     return ModelWeights(config=config, layout=layout, dims=dims, mesh=mesh, storage=storage,
-                        tp=view(tp_view), sp=view(sp_view))
+                        tp=view(tp_view), sp=view(sp_view), quantization=quantization)
+
+
+def check_storage(storage: str, quantization: str) -> None:
+    """Refuses a storage and quantization that cannot go together, before any weight is made."""
+    if storage not in blk.STORAGES:
+        raise ValueError(f"weight storage must be one of {blk.STORAGES}, got {storage!r}")
+    check_quantization(quantization)
+    if quantization != "none" and storage != "aliased":
+        # The contiguous SP copy multiplies a row weight's sp blocks in one GEMM, which would
+        # quantize its activations per token over all of them, and TP mode per block: the
+        # modes would no longer compute the same thing.
+        raise ValueError(f"quantization {quantization} needs weight storage 'aliased', got {storage!r}")
+
+
+def store_block_weight(blocks: jax.Array, mesh: Mesh, storage: str, kind: str, quantization: str):
+    """``(tp_view, sp_view)`` of one layer GEMM weight given as its ``[layers, P, ...]``
+    blocks: :func:`blocks.store_blocks`, after quantizing per output channel where asked
+    (the values and the scales are then stored alike, so the TP view of each is made of
+    the SP shards' buffers)."""
+    if quantization == "none":
+        return blk.store_blocks(blocks, mesh, storage, kind)
+    weight = quantize_blocks(blocks, kind)
+    tp_values, sp_values = blk.store_blocks(weight.values, mesh, storage, kind)
+    tp_scale, sp_scale = blk.store_blocks(weight.scale, mesh, storage, kind)
+    return (Fp8Weight(values=tp_values, scale=tp_scale),
+            tuple(Fp8Weight(values=v, scale=s) for v, s in zip(sp_values, sp_scale)))
 
 
 # --- The block layout as a plan: which canonical rows each block takes -------------------
@@ -269,7 +299,8 @@ MakeReplicated = Callable[[str, NamedSharding], jax.Array]
 
 
 def assemble_weights(config: ModelConfig, mesh: Mesh, storage: blk.WeightStorage,
-                     make_blocks: MakeBlocks, make_replicated: MakeReplicated) -> ModelWeights:
+                     make_blocks: MakeBlocks, make_replicated: MakeReplicated,
+                     quantization: str = "none") -> ModelWeights:
     """Builds ``ModelWeights`` array by array from a block source, each array straight in
     its final sharding (the same layout ``shard_params`` gives).
 
@@ -277,8 +308,7 @@ def assemble_weights(config: ModelConfig, mesh: Mesh, storage: blk.WeightStorage
     from their buffers, so device memory never holds more than the final weights. With two
     copies it makes the TP blocks and ``store_blocks`` derives the contiguous SP copy.
     """
-    if storage not in blk.STORAGES:
-        raise ValueError(f"weight storage must be one of {blk.STORAGES}, got {storage!r}")
+    check_storage(storage, quantization)
     sp, tp = mesh.shape[SP], mesh.shape[TP]
     layout = head_layout(config.num_heads, config.num_kv_heads, sp, tp)
     shapes = param_shapes(config)
@@ -295,10 +325,16 @@ def assemble_weights(config: ModelConfig, mesh: Mesh, storage: blk.WeightStorage
         if storage == "aliased":
             shards = tuple(blocks_of(weight, blk.shard_sharding(mesh, ndim), blk.shard_block_ids(sp, tp, j))
                            for j in range(sp))
-            tp_view[name], sp_view[name] = blk.tp_view_of_shards(shards, mesh), shards
+            if quantization == "none":
+                tp_view[name], sp_view[name] = blk.tp_view_of_shards(shards, mesh), shards
+                continue
+            # quantized from the TP view of the shards (their own buffers, donated)
+            blocks = blk.tp_view_of_shards(shards, mesh)
+            del shards
         else:
             blocks = blocks_of(weight, blk.block_sharding(mesh, ndim), all_blocks)
-            tp_view[name], sp_view[name] = blk.store_blocks(blocks, mesh, storage, weight.kind)
+        tp_view[name], sp_view[name] = store_block_weight(blocks, mesh, storage, weight.kind, quantization)
+        del blocks
     bqkv = None
     if "layers.bqkv" in plan:
         bqkv = blocks_of(plan["layers.bqkv"], blk.block_sharding(mesh, 3), all_blocks)
@@ -316,4 +352,4 @@ def assemble_weights(config: ModelConfig, mesh: Mesh, storage: blk.WeightStorage
                                 bqkv=bqkv, **weights))
 
     return ModelWeights(config=config, layout=layout, dims=local_dims(config, layout), mesh=mesh,
-                        storage=storage, tp=view(tp_view), sp=view(sp_view))
+                        storage=storage, tp=view(tp_view), sp=view(sp_view), quantization=quantization)

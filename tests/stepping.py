@@ -61,7 +61,7 @@ def build_batch(step, seq_lens_before, num_tokens: int = 16, num_seqs: int = 4):
 
 
 def run_scenario(params, config, sp: int, tp: int, runs: dict[str, list[str]], *,
-                 storage="aliased", cache_dtype="float32", layer_loop="scan"):
+                 storage="aliased", cache_dtype="float32", layer_loop="scan", quantization="none"):
     """Runs the scenario once per entry of ``runs`` (name -> modes, cycled step by step),
     each with fresh caches, all on one expansion of the weights.
 
@@ -69,7 +69,7 @@ def run_scenario(params, config, sp: int, tp: int, runs: dict[str, list[str]], *
     the weights.
     """
     mesh = make_mesh(sp, tp)
-    weights = shard_params(params, config, mesh, storage)
+    weights = shard_params(params, config, mesh, storage, quantization)
     modes_used = {mode for modes in runs.values() for mode in modes}
     steps = {mode: make_step(weights, mode, StepOptions(attention="reference", layer_loop=layer_loop), return_logits=True)
              for mode in modes_used}

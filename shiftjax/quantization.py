@@ -1,0 +1,106 @@
+"""FP8 weights: the layer GEMM weights in ``float8_e4m3fn`` with a scale per output channel.
+
+Quantization is data, not a mode: a quantized block weight is an :class:`Fp8Weight` in
+place of the bf16 array, in the same block layout and sharding (TP blocks ``[layers, P,
+...]``, aliased SP shards ``[layers, tp, ...]`` over the same device buffers), so TP and SP
+mode still share one copy and the cache is untouched. The embedding, the norms, the biases
+and the LM head stay in the activations' dtype.
+
+Values are stored ``[.., n, k]`` (output channel first, contraction minor), as Hopper's
+FP8 tensor cores take them (``kernels/fp8_gemm.py``); ``scale`` is float32 ``[.., n]``.
+
+The scales do not depend on the mesh: a column-parallel weight's output channels live in
+one block, so each block's per-column absmax is the canonical one; a row-parallel weight
+(``wo``, ``w_down``) is cut along its input, so its per-output-channel absmax is taken over
+every block and the same scale is stored with each block. A model therefore quantizes to
+the same values on one device and on any ``sp x tp`` mesh.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax import lax
+from jax.sharding import NamedSharding
+from jaxtyping import Array, Float
+
+from shiftjax.kernels.fp8_gemm import FP8, FP8_MAX
+from shiftjax.pytrees import unchecked_init
+
+QUANTIZATIONS = ("none", "fp8")
+QUANTIZED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")  # the layer GEMMs; the rest stays bf16
+
+
+@unchecked_init
+@struct.dataclass
+class Fp8Weight:
+    """A GEMM weight ``w[.., k, n] ~= (values * scale[.., :, None]).T`` of one mode's view."""
+
+    values: Float[Array, "*lead n k"]  # float8_e4m3fn
+    scale: Float[Array, "*lead n"]  # float32, per output channel
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The bf16 weight's shape ``[.., k, n]`` (what the layer code multiplies by)."""
+        *lead, n, k = self.values.shape
+        return (*lead, k, n)
+
+
+def check_quantization(quantization: str) -> str:
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    return quantization
+
+
+def _channel_scale(absmax: jax.Array) -> jax.Array:
+    return jnp.where(absmax > 0, absmax / FP8_MAX, 1.0).astype(jnp.float32)
+
+
+def _quantize_layer(w: jax.Array, scale: jax.Array) -> jax.Array:
+    """One layer's ``[P, k, n]`` blocks as e4m3 ``[P, n, k]`` under ``scale[P, n]``."""
+    values = jnp.clip(w.astype(jnp.float32) / scale[:, None, :], -FP8_MAX, FP8_MAX).astype(FP8)
+    return jnp.swapaxes(values, 1, 2)
+
+
+def quantize_blocks(blocks: jax.Array, kind: str) -> Fp8Weight:
+    """``blocks`` (``[layers, P, k, n]``, any sharding along ``P``) quantized per output
+    channel, in the same sharding. ``kind``: ``"column"`` (the channel is a block's column)
+    or ``"row"`` (cut along ``k``: the channel's absmax is over every block). Donates
+    ``blocks``; one layer at a time, so the float32 temporaries are a layer's."""
+    if kind not in ("column", "row"):
+        raise ValueError(f"kind must be column or row, got {kind!r}")
+    sharding = blocks.sharding
+    spec = sharding.spec if isinstance(sharding, NamedSharding) else None
+
+    def quantize(blocks):
+        def layer(w):
+            absmax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=1)  # [P, n]
+            if kind == "row":
+                absmax = jnp.broadcast_to(jnp.max(absmax, axis=0), absmax.shape)
+            scale = _channel_scale(absmax)
+            return _quantize_layer(w, scale), scale
+
+        values, scale = lax.map(layer, blocks)
+        return Fp8Weight(values=values, scale=scale)
+
+    out_shardings = None
+    if spec is not None:
+        lead = tuple(spec)[:2] + (None,) * (2 - len(tuple(spec)[:2]))
+        out_shardings = Fp8Weight(values=NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*lead)),
+                                  scale=NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*lead)))
+    return jax.jit(quantize, donate_argnums=0, out_shardings=out_shardings)(blocks)
+
+
+def dequantize(weight: Fp8Weight, dtype=jnp.float32) -> jax.Array:
+    """The ``[.., k, n]`` weight the values and scales stand for (tests, accuracy checks)."""
+    w = weight.values.astype(jnp.float32) * weight.scale[..., None]
+    return jnp.swapaxes(w, -1, -2).astype(dtype)
+
+
+def describe(quantization: str, weights_dtype) -> str:
+    """One line for the start-up log and ServerInfo."""
+    if quantization == "fp8":
+        return (f"fp8: the layer GEMM weights in float8_e4m3fn with per-output-channel scales; "
+                f"embedding, norms and LM head {jnp.dtype(weights_dtype).name}")
+    return f"none: every weight {jnp.dtype(weights_dtype).name}"
