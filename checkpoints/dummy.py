@@ -166,15 +166,17 @@ def _block_maker(mesh: Mesh, shapes: dict, seed: int, dtype):
 
 
 def dummy_weights(config: ModelConfig, *, mesh: Mesh, dtype="bfloat16", weight_storage: str = "aliased",
-                  seed: int = 0) -> ModelWeights:
+                  seed: int = 0, quantization: str = "none") -> ModelWeights:
     """Random weights of ``config`` in the block layout of ``mesh``, made on the devices.
 
     Equal, bit for bit, to ``shard_params(dummy_params(config, ...), config, mesh,
     weight_storage)``; device memory holds only the final weights plus one layer's
-    temporaries of one block array.
+    temporaries of one block array. ``quantization="fp8"``: each layer GEMM weight is made
+    in ``dtype`` and quantized at once (``shiftjax.quantization``), so the peak is the FP8
+    weights made so far plus one block array in ``dtype``.
     """
     make_blocks, make_replicated = _block_maker(mesh, param_shapes(config), seed, jnp.dtype(dtype))
-    return assemble_weights(config, mesh, weight_storage, make_blocks, make_replicated)
+    return assemble_weights(config, mesh, weight_storage, make_blocks, make_replicated, quantization)
 
 
 def _canonical_cut_axes(config: ModelConfig) -> dict[str, int]:

@@ -228,32 +228,45 @@ def _block_maker(reader: CanonicalReader):
 
 
 def restore_weights(path: str | Path, *, mesh, dtype=None, weight_storage: str = "aliased",
-                    reader: CanonicalReader | None = None) -> tuple[ModelConfig, ModelWeights]:
+                    reader: CanonicalReader | None = None,
+                    quantization: str | None = None) -> tuple[ModelConfig, ModelWeights]:
     """Restores a checkpoint straight into the block layout of ``mesh`` (sharded restore).
 
     Equal, bit for bit, to ``shard_params(load_checkpoint(path, dtype=dtype, shardings=
     replicated)[1], config, mesh, weight_storage)``, without ever holding a canonical tensor
     on a device. ``dtype`` None keeps the stored dtype. ``reader`` is for tests that count
-    what is read.
+    what is read. ``quantization``: ``"fp8"`` quantizes the layer GEMM weights as they load
+    (``shiftjax.quantization``); None: as the checkpoint says (``fp8`` for one converted from
+    an FP8 checkpoint, :func:`checkpoint_quantization`), else ``"none"``.
     """
     import jax.numpy as jnp
 
     path = Path(path).absolute()
     info = read_marker(path)
+    if quantization is None:
+        quantization = checkpoint_quantization(info)
     config = load_config(path)
     shapes = _checked_shapes(path, info, config)
     target_dtype = jnp.dtype(dtype if dtype is not None else info.get("dtype", "float32"))
     if reader is None:
         reader = CanonicalReader(path / PARAMS_DIR, shapes, target_dtype)
     make_blocks, make_replicated = _block_maker(reader)
-    return config, assemble_weights(config, mesh, weight_storage, make_blocks, make_replicated)
+    return config, assemble_weights(config, mesh, weight_storage, make_blocks, make_replicated, quantization)
+
+
+def checkpoint_quantization(info: dict) -> str:
+    """The quantization a checkpoint's ``shiftjax.json`` asks to be served with: ``fp8`` for
+    one converted from an FP8 checkpoint (``convert``'s ``quantization`` record), else ``none``."""
+    record = info.get("quantization")
+    return record.get("method", "none") if isinstance(record, dict) else "none"
 
 
 LOAD_FORMATS = ("orbax", "dummy")
 
 
 def load_weights(model: str | Path, *, mesh, dtype="bfloat16", weight_storage: str = "aliased",
-                 load_format: str = "orbax", seed: int = 0) -> tuple[ModelConfig, ModelWeights]:
+                 load_format: str = "orbax", seed: int = 0,
+                 quantization: str | None = None) -> tuple[ModelConfig, ModelWeights]:
     """The model's weights on ``mesh`` in their final block layout, never a canonical copy.
 
     ``load_format="orbax"``: ``model`` is a shiftjax checkpoint directory (or ``"default"``
@@ -261,17 +274,20 @@ def load_weights(model: str | Path, *, mesh, dtype="bfloat16", weight_storage: s
     ``load_format="dummy"``: ``model`` is a Hugging Face ``config.json`` (or a directory
     holding one; a shiftjax checkpoint directory works too); random weights (seed ``seed``)
     are generated on the devices in their final shardings. ``dtype``: e.g. "bfloat16",
-    "float32"; for orbax, None keeps the stored dtype.
+    "float32"; for orbax, None keeps the stored dtype. ``quantization``: ``"none"``,
+    ``"fp8"`` (the layer GEMM weights quantized as they load), or None: as the checkpoint
+    says (dummy weights: ``"none"``).
     """
     if load_format == "dummy":
         from shiftjax.checkpoints.dummy import dummy_weights, read_model_config
 
         config = read_model_config(model)
         return config, dummy_weights(config, mesh=mesh, dtype=dtype or "bfloat16",
-                                     weight_storage=weight_storage, seed=seed)
+                                     weight_storage=weight_storage, seed=seed, quantization=quantization or "none")
     if load_format != "orbax":
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
-    return restore_weights(_checkpoint_path(model), mesh=mesh, dtype=dtype, weight_storage=weight_storage)
+    return restore_weights(_checkpoint_path(model), mesh=mesh, dtype=dtype, weight_storage=weight_storage,
+                           quantization=quantization)
 
 
 def _checkpoint_path(model: str | Path) -> Path:

@@ -44,6 +44,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a directory with tokenizer.json (default: the checkpoint's, or the default model's)")
     model.add_argument("--dtype", choices=("bfloat16", "float32"), default="float32")
     model.add_argument("--weight-storage", choices=("aliased", "two_copies"), default="aliased")
+    # shiftjax.quantization.QUANTIZATIONS (not imported: JAX is configured after parsing)
+    model.add_argument("--quantization", choices=("none", "fp8"), default=None,
+                       help="fp8: the layer GEMM weights in float8_e4m3fn with per-channel scales, quantized "
+                            "as they load (embedding, norms and LM head stay in --dtype); none: every weight in "
+                            "--dtype (default: as the checkpoint says: fp8 for one converted from an FP8 "
+                            "checkpoint, else none)")
+    model.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16", "float32", "fp8"), default="auto",
+                       help="the KV cache's dtype; fp8: float8_e4m3fn (half of bf16's bytes, twice the tokens "
+                            "per GiB; scales 1.0); auto: the activations' dtype")
     mesh = parser.add_argument_group("mesh")
     mesh.add_argument("--sp", type=int, default=1)
     mesh.add_argument("--tp", type=int, default=1)
@@ -226,7 +235,9 @@ def configure_jax(args: argparse.Namespace) -> Path | None:
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The :class:`EngineConfig` fields the arguments set."""
+    cache_dtype = {"auto": None, "fp8": "float8_e4m3fn"}.get(args.kv_cache_dtype, args.kv_cache_dtype)
     return dict(mode=args.mode, shift_threshold=args.shift_threshold, max_model_len=args.max_model_len,
+                cache_dtype=cache_dtype,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_queue=args.max_queue, page_size=args.page_size, attention=args.attention, gemm=args.gemm,
                 all_reduce=args.all_reduce, all_to_all=args.all_to_all, compile_workers=args.compile_workers,
@@ -249,5 +260,5 @@ def build_llm(args: argparse.Namespace, *, report=stderr_report, devices=None):
     from shiftjax.serving.engine.llm import LLM
 
     return LLM(args.model, sp=args.sp, tp=args.tp, dtype=args.dtype, weight_storage=args.weight_storage,
-               load_format=args.load_format, tokenizer=args.tokenizer, report=report, devices=devices,
+               load_format=args.load_format, quantization=args.quantization, tokenizer=args.tokenizer, report=report, devices=devices,
                **engine_options(args))

@@ -135,7 +135,7 @@ def _key(weights: ModelWeights, **program) -> str:
     description = {
         "environment": environment_fingerprint(list(mesh.devices.flat)),
         "mesh": [list(mesh.axis_names), list(mesh.devices.shape)],
-        "model": [repr(weights.config), repr(weights.layout), repr(weights.dims), weights.storage],
+        "model": [repr(weights.config), repr(weights.layout), repr(weights.dims), weights.storage, weights.quantization],
         **program,
     }
     return hashlib.sha256(json.dumps(description, sort_keys=True, default=repr).encode()).hexdigest()

@@ -18,6 +18,7 @@ from shiftjax.serving.engine.output_processor import OutputProcessor
 from shiftjax.serving.engine.sampling_params import SamplingParams
 from shiftjax.serving.engine.request import Request
 from shiftjax.serving.engine.speculative import SpeculativeConfig
+from shiftjax.quantization import describe as describe_quantization
 
 
 @dataclasses.dataclass
@@ -44,25 +45,31 @@ class LLM:
     default the default model's). Engine options (``max_model_len``, ``mode``, buckets,
     ``num_pages``, ``enable_prefix_caching``, ``speculative``: a :class:`SpeculativeConfig` or
     the dict of its fields...) are the fields of :class:`EngineConfig`;
-    ``report(message)`` receives start-up progress (page pool, compiles).
+    ``report(message)`` receives start-up progress (page pool, compiles). ``quantization``:
+    ``"fp8"`` serves the layer GEMM weights in FP8 (quantized as they load), ``"none"`` in
+    ``dtype``, None as the checkpoint says; ``cache_dtype="fp8"`` (or ``"float8_e4m3fn"``)
+    keeps the KV cache in FP8.
     """
 
     def __init__(self, model: str = "default", *, sp: int = 1, tp: int = 1, dtype: str = "float32",
                  weight_storage: str = "aliased", devices=None, load_format: str = "orbax",
-                 tokenizer: str | None = None, report=None, **engine_options):
+                 tokenizer: str | None = None, quantization: str | None = None, report=None, **engine_options):
         self.path = default_model_path() if model == "default" else Path(model)
         self.mesh = make_mesh(sp, tp, devices)
         started = time.perf_counter()
         # Each device restores only the blocks it holds (checkpoints.load.restore_weights).
         self.config, self.weights = load_weights(model, mesh=self.mesh, dtype=dtype, weight_storage=weight_storage,
-                                                 load_format=load_format)
+                                                 load_format=load_format, quantization=quantization)
         jax.block_until_ready((self.weights.tp, self.weights.sp))  # time the loading, not its dispatch
         self.load_seconds = time.perf_counter() - started
         if report is not None:
-            report(f"weights ready in {self.load_seconds:.1f} s ({load_format})")
+            report(f"weights ready in {self.load_seconds:.1f} s ({load_format}); quantization "
+                   f"{describe_quantization(self.weights.quantization, self.weights.tp.embed.dtype)}")
         self.tokenizer = load_tokenizer(tokenizer_path_for(model, load_format, tokenizer))
         eos = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.config.eos_token_ids))
         grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.config.vocab_size, eos)
+        if engine_options.get("cache_dtype") == "fp8":
+            engine_options["cache_dtype"] = "float8_e4m3fn"
         if isinstance(engine_options.get("speculative"), dict):  # as vLLM's speculative_config
             engine_options["speculative"] = SpeculativeConfig(**engine_options["speculative"])
         self.engine = Engine(self.weights, EngineConfig(**engine_options), eos_token_ids=eos, report=report,

@@ -132,6 +132,9 @@ class EngineDescription:
     phase_seconds: dict[str, float]  # seconds per start-up phase, in order
     limits: SchedulerConfig  # the limits that run (engine.limits)
     speculative: SpeculativeConfig | None = None  # speculative decoding's configuration (None: off)
+    quantization: str = "none"  # the layer GEMM weights': shiftjax.quantization.QUANTIZATIONS
+    weights_dtype: str = ""  # the unquantized weights' (and the activations') dtype
+    kv_cache_dtype: str = ""
 
 
 def describe(engine) -> EngineDescription:
@@ -146,4 +149,5 @@ def describe(engine) -> EngineDescription:
         executables=len(executables.compiled), compile_seconds=executables.wall_seconds,
         compile_seconds_summed=engine.compile_seconds, cache_hits=executables.cache_hits,
         loaded_from_store=executables.loaded_from_store, phase_seconds=dict(engine.startup_seconds),
-        limits=engine.limits, speculative=engine.config.speculative)
+        limits=engine.limits, speculative=engine.config.speculative, quantization=weights.quantization,
+        weights_dtype=str(weights.tp.embed.dtype), kv_cache_dtype=engine.config.cache_dtype or str(weights.tp.embed.dtype))

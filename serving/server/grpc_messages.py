@@ -214,7 +214,9 @@ def server_info_from(info: dict, stats: ServiceStats) -> pb.ServerInfoResponse:
         steps=stats.steps, switches=stats.switches, preemptions=stats.preemptions,
         steps_by_mode=stats.steps_by_mode, tokens_by_mode=stats.tokens_by_mode, ready=stats.ready,
         draining=stats.draining, info_json=json.dumps(jsonable(info), sort_keys=True),
-        speculative=speculative_info_from(info["speculative"], stats) if "speculative" in info else None)
+        speculative=speculative_info_from(info["speculative"], stats) if "speculative" in info else None,
+        quantization=str(info.get("quantization", {}).get("weights", "")),
+        kv_cache_dtype=str(info.get("quantization", {}).get("kv_cache_dtype", "")))
 
 
 def speculative_info_from(section: dict, stats: ServiceStats) -> pb.SpeculativeInfo:

@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import threading
 
+from shiftjax.quantization import describe as describe_quantization
 from shiftjax.serving.engine.speculative import SpecDecodeCounters, SpeculativeConfig
 from shiftjax.serving.engine.stats import EngineDescription, EngineSnapshot, GrammarCounters
 from shiftjax.serving.server.protocol import ServiceStats
@@ -41,7 +42,16 @@ def service_info(engine: EngineDescription, model_name: str, stats: ServiceStats
         "prefix_cache": prefix_cache_info(limits.enable_prefix_caching, stats),
         "structured_outputs": structured_outputs_info(stats),
         "speculative": speculative_info(engine.speculative, stats.speculative),
+        "quantization": quantization_info(engine),
     }
+
+
+def quantization_info(engine: EngineDescription) -> dict:
+    """What is quantized: the layer GEMM weights (``none`` or ``fp8``), the dtype of the
+    rest, the KV cache's dtype, and a sentence saying it."""
+    return {"weights": engine.quantization, "weights_dtype": engine.weights_dtype,
+            "kv_cache_dtype": engine.kv_cache_dtype,
+            "description": describe_quantization(engine.quantization, engine.weights_dtype or "bfloat16")}
 
 
 def speculative_info(config: SpeculativeConfig | None, counters: SpecDecodeCounters) -> dict:

@@ -197,7 +197,7 @@ class StepTiming(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., tokens: _Optional[int] = ..., seqs: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("model", "modes", "mesh", "token_buckets", "seq_buckets", "page_size", "num_pages", "free_pages", "max_model_len", "policy", "timings", "executables", "compile_cache_hits", "compile_seconds", "running", "waiting", "steps", "switches", "preemptions", "steps_by_mode", "tokens_by_mode", "ready", "draining", "info_json", "speculative")
+    __slots__ = ("model", "modes", "mesh", "token_buckets", "seq_buckets", "page_size", "num_pages", "free_pages", "max_model_len", "policy", "timings", "executables", "compile_cache_hits", "compile_seconds", "running", "waiting", "steps", "switches", "preemptions", "steps_by_mode", "tokens_by_mode", "ready", "draining", "info_json", "speculative", "quantization", "kv_cache_dtype")
     class MeshEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +244,8 @@ class ServerInfoResponse(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     INFO_JSON_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     modes: _containers.RepeatedScalarFieldContainer[str]
     mesh: _containers.ScalarMap[str, int]
@@ -269,7 +271,9 @@ class ServerInfoResponse(_message.Message):
     draining: bool
     info_json: str
     speculative: SpeculativeInfo
-    def __init__(self, model: _Optional[str] = ..., modes: _Optional[_Iterable[str]] = ..., mesh: _Optional[_Mapping[str, int]] = ..., token_buckets: _Optional[_Iterable[int]] = ..., seq_buckets: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., max_model_len: _Optional[int] = ..., policy: _Optional[str] = ..., timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ..., executables: _Optional[int] = ..., compile_cache_hits: _Optional[int] = ..., compile_seconds: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., switches: _Optional[int] = ..., preemptions: _Optional[int] = ..., steps_by_mode: _Optional[_Mapping[str, int]] = ..., tokens_by_mode: _Optional[_Mapping[str, int]] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., info_json: _Optional[str] = ..., speculative: _Optional[_Union[SpeculativeInfo, _Mapping]] = ...) -> None: ...
+    quantization: str
+    kv_cache_dtype: str
+    def __init__(self, model: _Optional[str] = ..., modes: _Optional[_Iterable[str]] = ..., mesh: _Optional[_Mapping[str, int]] = ..., token_buckets: _Optional[_Iterable[int]] = ..., seq_buckets: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., max_model_len: _Optional[int] = ..., policy: _Optional[str] = ..., timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ..., executables: _Optional[int] = ..., compile_cache_hits: _Optional[int] = ..., compile_seconds: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., switches: _Optional[int] = ..., preemptions: _Optional[int] = ..., steps_by_mode: _Optional[_Mapping[str, int]] = ..., tokens_by_mode: _Optional[_Mapping[str, int]] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., info_json: _Optional[str] = ..., speculative: _Optional[_Union[SpeculativeInfo, _Mapping]] = ..., quantization: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class SpeculativeInfo(_message.Message):
     __slots__ = ("enabled", "method", "num_speculative_tokens", "disable_by_batch_size", "acceptance_rate", "mean_accepted_length", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "draft_seconds")
