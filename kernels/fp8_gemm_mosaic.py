@@ -47,6 +47,7 @@ from . import fp8_gemm
 _F32 = jnp.float32
 _F16 = jnp.float16
 _BF16 = jnp.bfloat16
+_MAX_WGMMA_N = 256
 
 
 def _tiled(block_minor: int, dtype) -> tuple:
@@ -55,6 +56,18 @@ def _tiled(block_minor: int, dtype) -> tuple:
     bits = jnp.dtype(dtype).itemsize * 8
     swizzle = plgpu.find_swizzle(block_minor * bits)
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+_SMEM_BYTES = 227 * 1024  # per block on the H200, less Mosaic's own few hundred bytes
+
+
+def _fitting_stages(wanted: int, steps: int, stage_bytes: int, fixed_bytes: int) -> int:
+    """The most pipeline stages, up to ``wanted`` and ``steps``, whose tiles fit in
+    shared memory beside ``fixed_bytes`` (the epilogue's tile)."""
+    fit = (_SMEM_BYTES - 1024 - fixed_bytes) // stage_bytes
+    if fit < 1:
+        raise ValueError(f"one pipeline stage of {stage_bytes} bytes does not fit in shared memory; use a smaller tile_k")
+    return max(1, min(wanted, steps, fit))
 
 
 # ---------------------------------------------------------------------------- w8a16
@@ -69,11 +82,8 @@ class W8A16Config:
     tile_k: int = 256
     stages: int = 4
     split_k: int = 1
-    operand: str = "f16"  # or "bf16": e4m3 -> bf16 in registers, x unscaled
 
     def __post_init__(self):
-        if self.operand not in ("f16", "bf16"):
-            raise ValueError(f"W8A16Config.operand must be 'f16' or 'bf16', got {self.operand!r}")
         if self.tile_n not in (64, 128):
             raise ValueError(f"W8A16Config.tile_n must be 64 or 128 (wgmma M), got {self.tile_n}")
         if self.tile_k % 128 or self.tile_k <= 0:
@@ -88,12 +98,12 @@ class W8A16Config:
 def w8a16_config(n: int, k: int, m: int) -> W8A16Config:
     """The config used for an ``[m, k] @ [n, k].T`` decode GEMM: enough CTAs for 132 SMs
     (split-K when ``n / 64`` stripes are too few), at least 4 steps per CTA."""
-    del m
+    tile_k = 256 if m <= 64 else 128  # the x tile grows with m: [m, tile_k] f16 per stage
     stripes = n // 64
     split = 1
-    while stripes * split < 264 and k % (256 * split * 2) == 0 and k // (256 * split * 2) >= 4:
+    while stripes * split < 264 and k % (tile_k * split * 2) == 0 and k // (tile_k * split * 2) >= 4:
         split *= 2
-    return W8A16Config(tile_n=64, tile_k=256, stages=4, split_k=split)
+    return W8A16Config(tile_n=64, tile_k=tile_k, stages=4, split_k=split)
 
 
 def _f16_rows(x: Float[Array, "m k"]) -> tuple[Float[Array, "m k"], Float[Array, "m"]]:
@@ -114,34 +124,44 @@ def _w8a16_partials(
     tile_n, tile_k, split = config.tile_n, config.tile_k, config.split_k
     k_steps = k // (tile_k * split)
     operand_dtype = x16.dtype
+    out_transforms = _tiled(m_pad, _F32)
+    stages = _fitting_stages(config.stages, k_steps, tile_n * tile_k + m_pad * tile_k * 2, tile_n * m_pad * 4)
 
-    def kernel(w_smem, x_smem, out_smem, acc_ref):
-        w = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
-        w = plgpu.layout_cast(w.astype(operand_dtype), plgpu.Layout.WGMMA)
-        plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem, (1, 0)))
-        plgpu.wgmma_wait(0)
+    def kernel(w_gmem, x_gmem, out_gmem):
+        stripe = lax.axis_index("n")
+        part = lax.axis_index("split")
 
-        @pl.when(pl.program_id(2) == k_steps - 1)
-        def _store():
+        def step(_, w_smem, x_smem, acc_ref):
+            w = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
+            w = plgpu.layout_cast(w.astype(operand_dtype), plgpu.Layout.WGMMA)
+            plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem, (1, 0)))
+            plgpu.wgmma_wait(0)
+
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_n, m_pad), _F32),
+                           out_smem=plgpu.SMEM((tile_n, m_pad), _F32, transforms=out_transforms))
+        def _scope(acc_ref, out_smem):
+            plgpu.emit_pipeline(
+                lambda idx, w_smem, x_smem: step(idx, w_smem, x_smem, acc_ref),
+                grid=(k_steps,),
+                in_specs=[
+                    plgpu.BlockSpec((tile_n, tile_k), lambda j: (stripe, part * k_steps + j),
+                                    transforms=_tiled(tile_k, fp8_gemm.FP8)),
+                    plgpu.BlockSpec((m_pad, tile_k), lambda j: (0, part * k_steps + j),
+                                    transforms=_tiled(tile_k, operand_dtype)),
+                ],
+                max_concurrent_steps=stages,
+            )(w_gmem, x_gmem)
             out_smem[...] = acc_ref[...]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                out_smem, out_gmem.at[pl.ds(stripe * tile_n, tile_n), pl.ds(part * m_pad, m_pad)])
+            plgpu.wait_smem_to_gmem(0)
 
-    return pl.pallas_call(
+    return plgpu.kernel(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((n, split * m_pad), _F32),
-        grid=(n // tile_n, split, k_steps),
-        in_specs=[
-            plgpu.BlockSpec((tile_n, tile_k), lambda i, s, j: (i, s * k_steps + j),
-                            transforms=_tiled(tile_k, fp8_gemm.FP8)),
-            plgpu.BlockSpec((m_pad, tile_k), lambda i, s, j: (0, s * k_steps + j),
-                            transforms=_tiled(tile_k, operand_dtype)),
-        ],
-        out_specs=plgpu.BlockSpec((tile_n, m_pad), lambda i, s, j: (i, s),
-                                  transforms=_tiled(m_pad, _F32)),
-        scratch_shapes=[plgpu.ACC((tile_n, m_pad), _F32)],
-        compiler_params=plgpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "sequential"),
-            max_concurrent_steps=min(config.stages, k_steps),
-        ),
+        out_type=jax.ShapeDtypeStruct((n, split * m_pad), _F32),
+        grid=(n // tile_n, split),
+        grid_names=("n", "split"),
     )(values, x16)
 
 
@@ -158,12 +178,12 @@ def w8a16_matmul(
     config = config or w8a16_config(n, k, m)
     if not config.divides(n, k):
         return fp8_gemm.w8a16_matmul_reference(x, values, scale)
+    if m > _MAX_WGMMA_N:  # wgmma's N holds the tokens: cut into pieces (not a decode case)
+        pieces = [w8a16_matmul(x[i:i + _MAX_WGMMA_N], values, scale, config) for i in range(0, m, _MAX_WGMMA_N)]
+        return jnp.concatenate(pieces, axis=0)
     m_pad = max(8, -(-m // 8) * 8)
     x_pad = jnp.pad(x, ((0, m_pad - m), (0, 0)))
-    if config.operand == "f16":
-        x16, row_scale = _f16_rows(x_pad)
-    else:
-        x16, row_scale = x_pad.astype(_BF16), jnp.ones((m_pad,), _F32)
+    x16, row_scale = _f16_rows(x_pad)
     partials = _w8a16_partials(x16, values, config)
     acc_t = partials.reshape(n, config.split_k, m_pad).sum(axis=1)
     out = acc_t.T[:m] * row_scale[:m, None] * scale[None, :]
@@ -181,8 +201,8 @@ class W8A8Config:
     tile_m: int = 128
     tile_n: int = 128
     tile_k: int = 128
-    stages: int = 4
-    warp_specialized: bool = True  # False: one warpgroup, a pallas_call grid (tile_m rows)
+    stages: int = 3
+    warp_specialized: bool = True  # False: one warpgroup, no warp specialization (tile_m rows)
 
     def __post_init__(self):
         if self.tile_m % 64 or self.tile_m <= 0:
@@ -207,7 +227,7 @@ def w8a8_config(n: int, k: int, m: int) -> W8A8Config:
     del n, k
     if m <= 128:
         return W8A8Config(tile_m=64, tile_n=128, tile_k=128, stages=4)
-    return W8A8Config(tile_m=128, tile_n=128, tile_k=128, stages=4)
+    return W8A8Config(tile_m=128, tile_n=128, tile_k=128, stages=3)
 
 
 def _w8a8_gemm(
@@ -222,6 +242,7 @@ def _w8a8_gemm(
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
     k_steps = k // tile_k
     operand = _tiled(tile_k, fp8_gemm.FP8)
+    stages = _fitting_stages(config.stages, k_steps, (2 * tile_m + tile_n) * tile_k, 2 * tile_m * tile_n * 2)
 
     def kernel(a_gmem, b_gmem, xs_gmem, ws_gmem, out_gmem, out_smem):
         mi = lax.axis_index("m")
@@ -259,18 +280,18 @@ def _w8a8_gemm(
             ],
             wg_axis="wg",
             num_compute_wgs=2,
-            max_concurrent_steps=min(config.stages, k_steps),
+            max_concurrent_steps=stages,
             compute_context=compute_context,
         )(a_gmem, b_gmem)
 
     return plgpu.kernel(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m_pad, n), _BF16),
+        out_type=jax.ShapeDtypeStruct((m_pad, n), _BF16),
         grid=(m_pad // (2 * tile_m), n // tile_n),
         grid_names=("m", "n"),
         num_threads=3,
         thread_name="wg",
-        scratch_shapes=dict(out_smem=plgpu.SMEM((2, tile_m, tile_n), _BF16, transforms=_tiled(tile_n, _BF16))),
+        scratch_types=dict(out_smem=plgpu.SMEM((2, tile_m, tile_n), _BF16, transforms=_tiled(tile_n, _BF16))),
     )(xq, values, x_scale, scale)
 
 
@@ -286,37 +307,45 @@ def _w8a8_gemm_one_warpgroup(
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
     k_steps = k // tile_k
     operand = _tiled(tile_k, fp8_gemm.FP8)
+    stages = _fitting_stages(config.stages, k_steps, (tile_m + tile_n) * tile_k, tile_m * tile_n * 2)
 
-    def kernel(a_smem, b_smem, xs_smem, ws_smem, out_smem, acc_ref):
-        plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
-        plgpu.wgmma_wait(0)
+    def kernel(a_gmem, b_gmem, xs_gmem, ws_gmem, out_gmem):
+        mi = lax.axis_index("m")
+        ni = lax.axis_index("n")
+        rows = pl.ds(mi * tile_m, tile_m)
+        cols = pl.ds(ni * tile_n, tile_n)
 
-        @pl.when(pl.program_id(2) == k_steps - 1)
-        def _epilogue():
+        def step(_, a_smem, b_smem, acc_ref):
+            plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
+            plgpu.wgmma_wait(0)
+
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), _F32),
+                           out_smem=plgpu.SMEM((tile_m, tile_n), _BF16, transforms=_tiled(tile_n, _BF16)))
+        def _scope(acc_ref, out_smem):
+            plgpu.emit_pipeline(
+                lambda idx, a_smem, b_smem: step(idx, a_smem, b_smem, acc_ref),
+                grid=(k_steps,),
+                in_specs=[
+                    plgpu.BlockSpec((tile_m, tile_k), lambda j: (mi, j), transforms=operand),
+                    plgpu.BlockSpec((tile_n, tile_k), lambda j: (ni, j), transforms=operand),
+                ],
+                max_concurrent_steps=stages,
+            )(a_gmem, b_gmem)
             acc = acc_ref[...]
-            xs = plgpu.load(xs_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
-            ws = plgpu.load(ws_smem, (), layout=plgpu.Layout.WGMMA.reduce(0))
+            xs = plgpu.load(xs_gmem.at[rows], (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+            ws = plgpu.load(ws_gmem.at[cols], (), layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
             acc = acc * lax.broadcast_in_dim(xs, acc.shape, [0])
             acc = acc * lax.broadcast_in_dim(ws, acc.shape, [1])
             out_smem[...] = acc.astype(_BF16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[rows, cols])
+            plgpu.wait_smem_to_gmem(0)
 
-    return pl.pallas_call(
+    return plgpu.kernel(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m_pad, n), _BF16),
-        grid=(m_pad // tile_m, n // tile_n, k_steps),
-        in_specs=[
-            plgpu.BlockSpec((tile_m, tile_k), lambda i, j, s: (i, s), transforms=operand),
-            plgpu.BlockSpec((tile_n, tile_k), lambda i, j, s: (j, s), transforms=operand),
-            plgpu.BlockSpec((tile_m,), lambda i, j, s: (i,)),
-            plgpu.BlockSpec((tile_n,), lambda i, j, s: (j,)),
-        ],
-        out_specs=plgpu.BlockSpec((tile_m, tile_n), lambda i, j, s: (i, j),
-                                  transforms=_tiled(tile_n, _BF16)),
-        scratch_shapes=[plgpu.ACC((tile_m, tile_n), _F32)],
-        compiler_params=plgpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "sequential"),
-            max_concurrent_steps=min(config.stages, k_steps),
-        ),
+        out_type=jax.ShapeDtypeStruct((m_pad, n), _BF16),
+        grid=(m_pad // tile_m, n // tile_n),
+        grid_names=("m", "n"),
     )(xq, values, x_scale, scale)
 
 

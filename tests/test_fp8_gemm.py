@@ -1,0 +1,200 @@
+"""FP8 GEMMs (kernels/fp8_gemm.py): the references and the algorithm choice on the CPU;
+the Mosaic GPU kernels (kernels/fp8_gemm_mosaic.py) against the references on an H200
+(``-m gpu``, run by benchmarks/run_fp8_gemm.sh with ``--noconftest``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from shiftjax.kernels import fp8_gemm
+from shiftjax.kernels import fp8_gemm_mosaic as mosaic
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _weight(n: int, k: int, seed: int):
+    w = jax.random.normal(jax.random.key(seed), (n, k), jnp.float32) * 0.05
+    scale = jnp.max(jnp.abs(w), axis=1) / fp8_gemm.FP8_MAX
+    return (w / scale[:, None]).astype(fp8_gemm.FP8), scale
+
+
+def _x(m: int, k: int, seed: int):
+    return jax.random.normal(jax.random.key(seed), (m, k), jnp.float32).astype(jnp.bfloat16)
+
+
+def _f64(a) -> np.ndarray:
+    return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+
+
+def _rel(out, ref) -> float:
+    out, ref = _f64(out), _f64(ref)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+# ------------------------------------------------------------------------------- CPU
+
+
+def test_quantize_rows_round_trip_and_zero_row():
+    x = _x(6, 256, 0).at[3].set(0)
+    values, scale = fp8_gemm.quantize_rows(x)
+    assert values.dtype == fp8_gemm.FP8 and scale.dtype == jnp.float32
+    x64 = _f64(x)
+    absmax = np.abs(x64).max(axis=1)
+    np.testing.assert_allclose(_f64(scale)[[0, 1, 2, 4, 5]], absmax[[0, 1, 2, 4, 5]] / 448, rtol=1e-6)
+    assert float(scale[3]) == 1.0 and not np.any(_f64(values[3]))
+    back = _f64(values) * _f64(scale)[:, None]
+    # e4m3 keeps 4 significant bits (half a step: 2**-4 relative); below 2**-6 it is
+    # subnormal, with steps of 2**-9 in units of the scale
+    bound = 2.0**-4 * np.abs(x64) + 2.0**-10 * _f64(scale)[:, None]
+    assert np.all(np.abs(back - x64) <= bound)
+    assert float(jnp.max(jnp.abs(values.astype(jnp.float32)))) == 448.0
+
+
+def test_w8a16_reference_matches_float32_product():
+    values, scale = _weight(48, 320, 1)
+    x = _x(5, 320, 2)
+    out = fp8_gemm.w8a16_matmul_reference(x, values, scale)
+    exact = (_f64(x) @ _f64(values).T) * _f64(scale)[None, :]
+    assert out.dtype == jnp.bfloat16 and out.shape == (5, 48)
+    # one rounding to bf16 (half a step: 2**-9 relative) after an exact-product f32 sum
+    assert np.all(np.abs(_f64(out) - exact) <= 2.0**-8 * np.abs(exact) + 1e-6 * np.abs(exact).max())
+
+
+def test_w8a8_reference_matches_float32_product_and_the_unquantized_one():
+    values, scale = _weight(40, 512, 3)
+    x = _x(7, 512, 4)
+    out = fp8_gemm.w8a8_matmul_reference(x, values, scale)
+    xq, x_scale = fp8_gemm.quantize_rows(x)
+    exact_q = (_f64(xq) @ _f64(values).T) * _f64(x_scale)[:, None] * _f64(scale)[None, :]
+    assert np.all(np.abs(_f64(out) - exact_q) <= 2.0**-8 * np.abs(exact_q) + 1e-6 * np.abs(exact_q).max())
+    # against the unquantized activations: x's e4m3 rounding (2**-4 relative per element)
+    exact = (_f64(x) @ _f64(values).T) * _f64(scale)[None, :]
+    assert _rel(out, exact) < 4e-2
+
+
+def test_f16_rows_are_exact_for_bf16_inputs():
+    x = (_x(4, 256, 5) * jnp.asarray([1e-3, 1.0, 3e3, 0.0], jnp.bfloat16)[:, None]).astype(jnp.bfloat16)
+    x16, row_scale = mosaic._f16_rows(x)
+    assert x16.dtype == jnp.float16
+    np.testing.assert_array_equal(_f64(x16) * _f64(row_scale)[:, None], _f64(x))
+    assert np.abs(_f64(x16)).max() < 2.0**15
+
+
+def test_algorithm_choice():
+    choice = fp8_gemm.Fp8GemmChoice(w8a16_max_tokens=64)
+    assert [choice.algorithm(t) for t in (1, 16, 64, 65, 256, 4096)] == ["w8a16"] * 3 + ["w8a8"] * 3
+    default = fp8_gemm.DEFAULT_CHOICE
+    assert default.algorithm(1) == "w8a16" and default.algorithm(4096) == "w8a8"
+
+
+def test_bad_algorithm_and_implementation_are_sentences():
+    values, scale = _weight(8, 128, 6)
+    x = _x(2, 128, 7)
+    with pytest.raises(ValueError, match=r"algorithm must be one of w8a16, w8a8, got 'w4a16'"):
+        fp8_gemm.fp8_matmul(x, values, scale, algorithm="w4a16")
+    with pytest.raises(ValueError, match=r"implementation must be one of reference, pallas, got 'triton'"):
+        fp8_gemm.fp8_matmul(x, values, scale, algorithm="w8a8", implementation="triton")
+
+
+def test_reference_implementation_dispatch():
+    values, scale = _weight(16, 128, 8)
+    x = _x(3, 128, 9)
+    for algorithm, ref in (("w8a16", fp8_gemm.w8a16_matmul_reference), ("w8a8", fp8_gemm.w8a8_matmul_reference)):
+        out = fp8_gemm.fp8_matmul(x, values, scale, algorithm=algorithm)
+        np.testing.assert_array_equal(_f64(out), _f64(ref(x, values, scale)))
+
+
+def test_configs_refuse_bad_tiles():
+    with pytest.raises(ValueError, match="tile_n must be 64 or 128"):
+        mosaic.W8A16Config(tile_n=32)
+    with pytest.raises(ValueError, match="tile_k must be a positive multiple of 128"):
+        mosaic.W8A8Config(tile_k=64)
+    with pytest.raises(ValueError, match="split_k must be >= 1"):
+        mosaic.W8A16Config(split_k=0)
+
+
+def test_undivided_shapes_fall_back_to_the_reference():
+    """n = 100 is no multiple of 64 rows (w8a16) nor of 128 (w8a8): the kernels' wrappers
+    return the reference, which runs on any backend."""
+    values, scale = _weight(100, 256, 10)
+    x = _x(3, 256, 11)
+    assert not mosaic.w8a16_config(100, 256, 3).divides(100, 256)
+    np.testing.assert_array_equal(_f64(mosaic.w8a16_matmul(x, values, scale)),
+                                  _f64(fp8_gemm.w8a16_matmul_reference(x, values, scale)))
+    np.testing.assert_array_equal(_f64(mosaic.w8a8_matmul(x, values, scale)),
+                                  _f64(fp8_gemm.w8a8_matmul_reference(x, values, scale)))
+
+
+# ------------------------------------------------------------------------------- GPU
+
+# Only the accumulation order differs from the reference (same products, f32 sums), so
+# the outputs agree to about bf16 rounding: ||out - ref|| / ||ref|| under 4e-3, no element
+# off by more than 2 bf16 steps of the largest output.
+GPU_SHAPES = [(1024, 2048), (4096, 4096), (512, 14336)]
+
+
+def _check(out, ref):
+    out64, ref64 = _f64(out), _f64(ref)
+    assert np.all(np.isfinite(out64))
+    assert _rel(out, ref) < 4e-3
+    assert np.abs(out64 - ref64).max() <= 2.0**-7 * np.abs(ref64).max()
+
+
+@pytest.mark.parametrize("n,k", GPU_SHAPES)
+@pytest.mark.parametrize("m", [1, 7, 16, 64, 200])
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (Hopper)")
+def test_w8a16_kernel_matches_reference(n, k, m):
+    values, scale = _weight(n, k, n + k)
+    x = _x(m, k, m)
+    out = jax.jit(mosaic.w8a16_matmul)(x, values, scale)
+    assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+    _check(out, fp8_gemm.w8a16_matmul_reference(x, values, scale))
+
+
+@pytest.mark.parametrize("config", [mosaic.W8A16Config(64, 256, 4, 1), mosaic.W8A16Config(128, 256, 3, 2),
+                                    mosaic.W8A16Config(64, 512, 3, 4), mosaic.W8A16Config(64, 128, 6, 8)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (Hopper)")
+def test_w8a16_kernel_configs(config):
+    values, scale = _weight(2048, 4096, 12)
+    x = _x(16, 4096, 13)
+    out = jax.jit(lambda x, v, s: mosaic.w8a16_matmul(x, v, s, config))(x, values, scale)
+    _check(out, fp8_gemm.w8a16_matmul_reference(x, values, scale))
+
+
+@pytest.mark.parametrize("n,k", GPU_SHAPES)
+@pytest.mark.parametrize("m", [1, 100, 256, 1000])
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (Hopper)")
+def test_w8a8_kernel_matches_reference(n, k, m):
+    values, scale = _weight(n, k, n + k + 1)
+    x = _x(m, k, m + 1)
+    out = jax.jit(mosaic.w8a8_matmul)(x, values, scale)
+    assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+    _check(out, fp8_gemm.w8a8_matmul_reference(x, values, scale))
+
+
+@pytest.mark.parametrize("config", [mosaic.W8A8Config(128, 128, 128, 3, True), mosaic.W8A8Config(64, 256, 128, 3, True),
+                                    mosaic.W8A8Config(128, 128, 128, 4, False)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (Hopper)")
+def test_w8a8_kernel_configs(config):
+    values, scale = _weight(1024, 4096, 14)
+    x = _x(512, 4096, 15)
+    out = jax.jit(lambda x, v, s: mosaic.w8a8_matmul(x, v, s, config))(x, values, scale)
+    _check(out, fp8_gemm.w8a8_matmul_reference(x, values, scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (Hopper)")
+def test_fp8_matmul_pallas_dispatch():
+    values, scale = _weight(1024, 2048, 16)
+    for algorithm, m in (("w8a16", 16), ("w8a8", 300)):
+        x = _x(m, 2048, 17)
+        out = fp8_gemm.fp8_matmul(x, values, scale, algorithm=algorithm, implementation="pallas")
+        ref = fp8_gemm.fp8_matmul(x, values, scale, algorithm=algorithm)
+        _check(out, ref)
