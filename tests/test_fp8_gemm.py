@@ -133,7 +133,7 @@ def test_undivided_shapes_fall_back_to_the_reference():
 # Only the accumulation order differs from the reference (same products, f32 sums), so
 # the outputs agree to about bf16 rounding: ||out - ref|| / ||ref|| under 4e-3, no element
 # off by more than 2 bf16 steps of the largest output.
-GPU_SHAPES = [(1024, 2048), (4096, 4096), (512, 14336)]
+GPU_SHAPES = [(1024, 2048), (512, 14336)]
 
 
 def _check(out, ref):
@@ -144,7 +144,7 @@ def _check(out, ref):
 
 
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
-@pytest.mark.parametrize("m", [1, 7, 16, 64, 200])
+@pytest.mark.parametrize("m", [1, 7, 64, 200])
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (Hopper)")
 def test_w8a16_kernel_matches_reference(n, k, m):
@@ -167,7 +167,7 @@ def test_w8a16_kernel_configs(config):
 
 
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
-@pytest.mark.parametrize("m", [1, 100, 256, 1000])
+@pytest.mark.parametrize("m", [1, 256, 1000])
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (Hopper)")
 def test_w8a8_kernel_matches_reference(n, k, m):
