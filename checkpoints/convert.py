@@ -30,6 +30,7 @@ from shiftjax.checkpoints.format import (
     publish,
     staging_dir_for,
 )
+from shiftjax.checkpoints import compressed_tensors as ct
 from shiftjax.checkpoints.safetensors_files import READABLE_DTYPES, TensorEntry, list_tensors
 from shiftjax.config import ConfigError, ModelConfig
 from shiftjax.params import param_shapes
@@ -67,6 +68,7 @@ class _Copy:
     path: str  # canonical path, e.g. "layers.wq"
     layer: int | None
     transpose: bool
+    scale: TensorEntry | None = None  # an FP8 weight's weight_scale (compressed-tensors)
 
 
 def read_hf_config(hf_dir: Path) -> tuple[dict, ModelConfig]:
@@ -88,14 +90,19 @@ def read_hf_config(hf_dir: Path) -> tuple[dict, ModelConfig]:
         raise CheckpointError(f"{path} has a field of the wrong type: {error}") from None
 
 
-def plan_copies(config: ModelConfig, entries: dict[str, TensorEntry]) -> list[_Copy]:
-    """Matches every Hugging Face tensor to its canonical slot, checking names and shapes."""
+def plan_copies(config: ModelConfig, entries: dict[str, TensorEntry],
+                fp8: ct.Fp8Scheme | None = None) -> list[_Copy]:
+    """Matches every Hugging Face tensor to its canonical slot, checking names and shapes.
+    ``fp8``: the checkpoint's compressed-tensors scheme; its F8_E4M3 weights then need a
+    ``weight_scale`` of a per-channel or per-tensor shape (compressed_tensors.py)."""
     shapes = param_shapes(config)
     copies: list[_Copy] = []
     unexpected: list[str] = []
     for name, entry in entries.items():
         if _IGNORED_RE.search(name):
             continue
+        if fp8 is not None and (name.endswith(ct.SCALE_SUFFIX) or name.endswith(ct.IGNORED_SUFFIXES)):
+            continue  # read with the weight it scales (input scales: activations are quantized per token)
         layer = None
         if name in _GLOBAL_NAMES:
             path, transpose = _GLOBAL_NAMES[name]
@@ -122,12 +129,15 @@ def plan_copies(config: ModelConfig, entries: dict[str, TensorEntry]) -> list[_C
                 f"tensor {name!r} in {entry.file.name} has shape {list(entry.shape)}, "
                 f"but config.json implies {list(expected)}"
             )
-        if entry.dtype not in READABLE_DTYPES:
+        scale = None
+        if entry.dtype == ct.FP8_DTYPE and transpose:
+            scale = _fp8_scale(name, entry, entries, fp8)
+        elif entry.dtype not in READABLE_DTYPES:
             raise CheckpointError(
                 f"tensor {name!r} in {entry.file.name} has dtype {entry.dtype}, which the "
                 f"converter cannot read; expected one of {sorted(READABLE_DTYPES)}"
             )
-        copies.append(_Copy(entry, path, layer, transpose))
+        copies.append(_Copy(entry, path, layer, transpose, scale))
     if unexpected:
         shown = ", ".join(repr(n) for n in sorted(unexpected)[:5])
         more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
@@ -143,6 +153,23 @@ def plan_copies(config: ModelConfig, entries: dict[str, TensorEntry]) -> list[_C
             if (path, layer) not in have:
                 raise CheckpointError(f"tensor {_hf_name(path, layer)!r} is missing from the checkpoint")
     return copies
+
+
+def _fp8_scale(name: str, entry: TensorEntry, entries: dict[str, TensorEntry],
+               fp8: ct.Fp8Scheme | None) -> TensorEntry:
+    """The ``weight_scale`` of the F8_E4M3 weight ``name``, checked."""
+    if fp8 is None:
+        raise CheckpointError(f"tensor {name!r} in {entry.file.name} is {ct.FP8_DTYPE}, but config.json has no "
+                              f"quantization_config saying how it is quantized (compressed-tensors)")
+    scale = entries.get(ct.scale_name_of(name))
+    if scale is None:
+        raise CheckpointError(f"tensor {name!r} is FP8 but its scale {ct.scale_name_of(name)!r} is missing "
+                              f"from the checkpoint")
+    if scale.dtype not in ct.SCALE_DTYPES:
+        raise CheckpointError(f"tensor {scale.name!r} has dtype {scale.dtype}; a weight scale must be one of "
+                              f"{list(ct.SCALE_DTYPES)}")
+    ct.check_scale_shape(name, entry.shape, scale.shape)
+    return scale
 
 
 def _hf_name(path: str, layer: int | None) -> str:
@@ -166,7 +193,11 @@ def fill_params(config: ModelConfig, copies: list[_Copy], dtype: str) -> dict[st
         try:
             with safe_open(str(file), framework="numpy") as handle:
                 for copy in file_copies:
-                    tensor = handle.get_tensor(copy.entry.name)
+                    if copy.scale is not None:  # FP8: safetensors' numpy reader has no float8
+                        tensor = ct.dequantized(ct.read_raw_tensor(file, copy.entry.name),
+                                                ct.read_raw_tensor(copy.scale.file, copy.scale.name))
+                    else:
+                        tensor = handle.get_tensor(copy.entry.name)
                     if copy.transpose:
                         tensor = tensor.T
                     target = flat[copy.path] if copy.layer is None else flat[copy.path][copy.layer]
@@ -233,7 +264,8 @@ def convert_hf_checkpoint(
     if out_dir.exists() and not overwrite:
         raise CheckpointError(f"{out_dir} already exists; remove it or pass overwrite")
     raw_config, config = read_hf_config(hf_dir)
-    copies = plan_copies(config, list_tensors(hf_dir))
+    fp8 = ct.fp8_scheme(raw_config)
+    copies = plan_copies(config, list_tensors(hf_dir), fp8)
 
     staging = staging_dir_for(out_dir)
     try:
@@ -249,6 +281,8 @@ def convert_hf_checkpoint(
             "source": str(hf_dir.absolute()),
             "tensors": {path: list(shape) for path, shape in param_shapes(config).items()},
         }
+        if fp8 is not None:  # served FP8 unless asked otherwise (load.checkpoint_quantization)
+            marker["quantization"] = fp8.record()
         (staging / MARKER_FILE).write_text(json.dumps(marker, indent=2))
         publish(staging, out_dir, overwrite=overwrite)
     except BaseException:

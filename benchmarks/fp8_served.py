@@ -1,0 +1,175 @@
+"""Issue 28 served: ``shiftjax serve`` with FP8 weights against bf16 on dummy weights of a
+Llama shape, over gRPC: TPOT at 1 and at 64 concurrent requests (1,024 prompt tokens, 128
+out, EOS ignored), the TTFT of a 4,096-token prompt, the KV-cache size the server chose,
+and the read-only stream rate measured in the same run (a subprocess, before any server)
+for each deployment's weight floor (weight bytes / stream rate).
+
+    python3 -P benchmarks/fp8_served.py --deployments bf16,fp8 --out DIR        # the H200
+    python3 -P benchmarks/fp8_served.py --deployments fp8_70b --out DIR
+    python benchmarks/fp8_served.py --smoke --out DIR                              # the CPU
+
+Writes ``fp8_served.json`` (one entry per deployment, with each ratio to bf16 where the
+bf16 deployment ran in the same call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+SERVE_8B = ["--max-model-len", "5120", "--max-num-seqs", "64", "--max-num-batched-tokens", "4096",
+            "--token-buckets", "16,64,1024,4096", "--seq-buckets", "1,16,64"]
+SERVE_70B = ["--max-model-len", "2048", "--max-num-seqs", "16", "--max-num-batched-tokens", "1024",
+             "--token-buckets", "16,1024", "--seq-buckets", "1,16"]
+# name -> (model config, serve arguments, environment)
+DEPLOYMENTS = {
+    "bf16": ("Llama-3.1-8B", [*SERVE_8B], {}),
+    "fp8": ("Llama-3.1-8B", [*SERVE_8B, "--quantization", "fp8"], {}),
+    "fp8_kv": ("Llama-3.1-8B", [*SERVE_8B, "--quantization", "fp8", "--kv-cache-dtype", "fp8"], {}),
+    # 70 GB of FP8 weights and a cache of 40+ GiB need more than JAX's default 75% of the GPU
+    "fp8_70b": ("Llama-3.1-70B", [*SERVE_70B, "--quantization", "fp8"], {"XLA_CLIENT_MEM_FRACTION": "0.94"}),
+}
+LOADS = {"bf16": ("c1", "c64", "ttft4096"), "fp8": ("c1", "c64", "ttft4096"), "fp8_kv": ("c1", "c64"),
+         "fp8_70b": ("c1",)}
+
+STREAM_PROBE = r"""
+import json, time, jax, jax.numpy as jnp
+x = jnp.ones((2 << 30) // 2, jnp.bfloat16)  # 2 GiB
+f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+f(x).block_until_ready()
+best = []
+for _ in range(3):
+    t = time.perf_counter()
+    for _ in range(20):
+        out = f(x)
+    out.block_until_ready()
+    best.append(x.nbytes * 20 / (time.perf_counter() - t))
+print(json.dumps({"stream_bytes_per_s": max(best), "readings": best}))
+"""
+
+
+def weight_bytes(config: dict, quantization: str) -> int:
+    """Bytes a decode step reads of the weights: the layer GEMMs (1 byte a weight in FP8
+    plus their scales, 2 in bf16) and the LM head (bf16); the embedding is gathered."""
+    d, f, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    hd = config.get("head_dim") or d // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    gemm = layers * (d * (q + 2 * kv) + q * d + d * 2 * f + f * d)
+    channels = layers * ((q + 2 * kv) + d + 2 * f + d)
+    per_weight = 1 if quantization == "fp8" else 2
+    return gemm * per_weight + (channels * 4 if quantization == "fp8" else 0) + 2 * d * config["vocab_size"]
+
+
+def one_request(address: str, prompt_ids: list[int], max_tokens: int) -> dict:
+    from shiftjax.serving.client.grpc_client import Client
+
+    with Client(address, timeout=900) as client:
+        started, arrivals, count = time.perf_counter(), [], 0
+        for response in client.generate(prompt_ids=prompt_ids, max_tokens=max_tokens, ignore_eos=True):
+            if response.token_ids:
+                arrivals.append(time.perf_counter())
+                count += len(response.token_ids)
+    return {"tokens": count, "ttft_s": arrivals[0] - started if arrivals else None,
+            "tpot_s": (arrivals[-1] - arrivals[0]) / (count - 1) if count > 1 else None}
+
+
+def run_load(address: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict:
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda p: one_request(address, p, max_tokens), prompts))
+    seconds = time.perf_counter() - started
+    tpots = [r["tpot_s"] for r in results if r["tpot_s"] is not None]
+    ttfts = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
+    return {"concurrency": concurrency, "requests": len(prompts), "prompt_tokens": len(prompts[0]),
+            "max_tokens": max_tokens, "seconds": round(seconds, 3),
+            "output_tokens_per_s": round(sum(r["tokens"] for r in results) / seconds, 2),
+            "tpot_ms_p50": round(1e3 * statistics.median(tpots), 3) if tpots else None,
+            "ttft_ms_p50": round(1e3 * statistics.median(ttfts), 3) if ttfts else None,
+            "ttft_ms_min": round(1e3 * min(ttfts), 3) if ttfts else None}
+
+
+def prompts_of(count: int, length: int, seed: int, vocab: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--deployments", default="bf16,fp8")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--smoke", action="store_true", help="the CPU: the default model's shape, tiny loads")
+    args = parser.parse_args()
+    from shiftjax.serving.bench.server_process import Deployment, ServerProcess
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"deployments": {}}
+    if not args.smoke:
+        probe = subprocess.run([sys.executable, "-c", STREAM_PROBE], capture_output=True, text=True, timeout=300)
+        result["stream"] = json.loads(probe.stdout.strip().splitlines()[-1]) if probe.returncode == 0 else {
+            "error": probe.stderr[-2000:]}
+        print("stream", json.dumps(result["stream"]), file=sys.stderr, flush=True)
+    # prompt ids within the tokenizer's vocabulary (dummy weights serve the default model's tokenizer)
+    vocab = 49152
+    sizes = {"c1": (4, 1024, 128, 1), "c64": (64, 1024, 128, 64), "ttft4096": (3, 4096, 1, 1)}
+    for name in args.deployments.split(","):
+        model, serve_args, env = DEPLOYMENTS[name]
+        config_path = CONFIGS / model / "config.json"
+        command = ["{python}", "-P", "-m", "shiftjax.serving.cli", "serve", "--model", str(config_path),
+                   "--load-format", "dummy", "--dtype", "bfloat16", "--port", "{port}", *serve_args]
+        if args.smoke:  # the default model on one CPU device, tiny buckets
+            from shiftjax.checkpoints.default_model import default_model_path
+
+            config_path = default_model_path() / "config.json"
+            quantize = [a for a in serve_args if a in ("--quantization", "--kv-cache-dtype", "fp8")]
+            command = ["{python}", "-P", "-m", "shiftjax.serving.cli", "serve", "--model", "default", "--port", "{port}",
+                       "--cpu-devices", "1", "--max-model-len", "256", "--max-num-seqs", "2",
+                       "--max-num-batched-tokens", "64", "--token-buckets", "16,64", "--seq-buckets", "2",
+                       "--num-pages", "40", *quantize]
+            sizes = {"c1": (1, 20, 4, 1), "c64": (2, 20, 4, 2), "ttft4096": (1, 60, 1, 1)}
+        server = ServerProcess(Deployment(name, command, env=env, startup_timeout_s=1200), args.out / f"{name}.log")
+        server.start()
+        try:
+            info = server.server_info()
+            entry = {"startup_s": round(server.startup_seconds, 1), "serve_args": serve_args,
+                     "quantization": info.get("quantization"), "page_pool": info.get("page_pool"), "runs": {}}
+            for load in LOADS[name]:
+                count, length, max_tokens, concurrency = sizes[load]
+                run = run_load(server.grpc_address, prompts_of(count, length, hash(load) % 1000, vocab),
+                               concurrency, max_tokens)
+                entry["runs"][load] = run
+                print(name, load, json.dumps(run), file=sys.stderr, flush=True)
+            hf = json.loads(config_path.read_text())
+            entry["weight_bytes_read_per_step"] = weight_bytes(hf, "fp8" if "--quantization" in serve_args else "none")
+            stream = result.get("stream", {}).get("stream_bytes_per_s")
+            if stream:
+                entry["weight_floor_ms"] = round(1e3 * entry["weight_bytes_read_per_step"] / stream, 3)
+            result["deployments"][name] = entry
+        finally:
+            server.stop()
+        (args.out / "fp8_served.json").write_text(json.dumps(result, indent=1))
+    base = result["deployments"].get("bf16")
+    for name, entry in result["deployments"].items():
+        if base is None or name == "bf16":
+            continue
+        for load, run in entry["runs"].items():
+            other = base["runs"].get(load)
+            if not other:
+                continue
+            for key in ("tpot_ms_p50", "ttft_ms_min", "ttft_ms_p50"):
+                if run.get(key) and other.get(key):
+                    run[f"{key}_over_bf16"] = round(run[key] / other[key], 3)
+    (args.out / "fp8_served.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
