@@ -43,7 +43,13 @@ folded into the softmax scale (one scalar product on the host, applied to q as
 output element, in the decode combine and in the prefill kernel's epilogue), so no per-key
 work is added. Against a bf16 cache holding ``e4m3 * scale`` this moves one rounding
 (of q times the scales instead of the cache times its scale); with power-of-two scales
-the two agree exactly. Other caches ignore the scales.
+the two agree exactly. Other caches ignore the scales. Measured on the H200 (Llama-3.1-8B
+shape, 8k context, benchmarks/results/fp8_h200/kv_cache): correct (2.7e-3 relative to the
+reference), but the decode kernel takes the bf16 cache's time (14.7 / 69.7 / 472 us against
+14.7 / 71.1 / 502 us at 1 / 8 / 64 sequences, so 25-49% of the read stream on half the
+bytes), and larger key blocks, 8 warps or 4 stages did not help: per key, not per byte,
+work bounds it (the e4m3 conversion, presumably; not profiled). The FP8 cache buys
+capacity (twice the tokens per GiB), not decode speed, until a kernel converts cheaper.
 
 Caches of more than 2**31 elements per array are read correctly at their far end (checked
 on the H200 with a 2.2e9-element bf16 cache: tests/test_kernels_gpu.py
@@ -131,14 +137,13 @@ _SHARED_MEMORY_BUDGET = 160 * 1024
 def _fit_shared_memory(rows, block_k, stages, *, page_size, head_dim, itemsize, cache_itemsize, min_rows):
     """Shrink stages (to 2), then the key block (to a page, or 32), then rows, then stages
     (to 1) until q plus ``stages`` pipelined K and V blocks fit the budget. ``itemsize`` is
-    the compute dtype's; a narrower cache (FP8) counts its pipelined blocks at its own
-    width plus one converted K and V block at the compute width."""
+    q's (the compute dtype's), ``cache_itemsize`` the pipelined blocks' (1 for FP8: the
+    blocks are converted in registers; the layout conversions take the budget's headroom,
+    as for bf16)."""
     block_k = max(block_k, page_size)
 
     def fits():
-        converted = 2 * block_k * itemsize if cache_itemsize != itemsize else 0
-        q_and_blocks = rows * itemsize + 2 * stages * block_k * cache_itemsize + converted
-        return q_and_blocks * head_dim <= _SHARED_MEMORY_BUDGET
+        return (rows * itemsize + 2 * stages * block_k * cache_itemsize) * head_dim <= _SHARED_MEMORY_BUDGET
     while not fits() and stages > 2:
         stages -= 1
     while not fits() and block_k > max(page_size, 32):
