@@ -10,6 +10,7 @@ import dataclasses
 import jax
 
 from shiftjax.config import ModelConfig
+from shiftjax.quantization import describe as describe_quantization
 from shiftjax.serving.engine.scheduler import SchedulerConfig
 from shiftjax.serving.engine.speculative import SpecDecodeCounters, SpeculativeConfig
 
@@ -135,6 +136,7 @@ class EngineDescription:
     quantization: str = "none"  # the layer GEMM weights': shiftjax.quantization.QUANTIZATIONS
     weights_dtype: str = ""  # the unquantized weights' (and the activations') dtype
     kv_cache_dtype: str = ""
+    quantization_description: str = ""  # shiftjax.quantization.describe's sentence
 
 
 def describe(engine) -> EngineDescription:
@@ -150,4 +152,5 @@ def describe(engine) -> EngineDescription:
         compile_seconds_summed=engine.compile_seconds, cache_hits=executables.cache_hits,
         loaded_from_store=executables.loaded_from_store, phase_seconds=dict(engine.startup_seconds),
         limits=engine.limits, speculative=engine.config.speculative, quantization=weights.quantization,
-        weights_dtype=str(weights.tp.embed.dtype), kv_cache_dtype=engine.config.cache_dtype or str(weights.tp.embed.dtype))
+        weights_dtype=str(weights.tp.embed.dtype), kv_cache_dtype=engine.config.cache_dtype or str(weights.tp.embed.dtype),
+        quantization_description=describe_quantization(weights.quantization, weights.tp.embed.dtype))

@@ -6,7 +6,6 @@ import collections
 import dataclasses
 import threading
 
-from shiftjax.quantization import describe as describe_quantization
 from shiftjax.serving.engine.speculative import SpecDecodeCounters, SpeculativeConfig
 from shiftjax.serving.engine.stats import EngineDescription, EngineSnapshot, GrammarCounters
 from shiftjax.serving.server.protocol import ServiceStats
@@ -51,7 +50,7 @@ def quantization_info(engine: EngineDescription) -> dict:
     rest, the KV cache's dtype, and a sentence saying it."""
     return {"weights": engine.quantization, "weights_dtype": engine.weights_dtype,
             "kv_cache_dtype": engine.kv_cache_dtype,
-            "description": describe_quantization(engine.quantization, engine.weights_dtype or "bfloat16")}
+            "description": engine.quantization_description}
 
 
 def speculative_info(config: SpeculativeConfig | None, counters: SpecDecodeCounters) -> dict:
