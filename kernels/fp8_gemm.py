@@ -34,7 +34,9 @@ _IMPLEMENTATIONS = ("reference", "pallas")
 @dataclasses.dataclass(frozen=True)
 class Fp8GemmChoice:
     """Which algorithm a step of ``tokens`` tokens (all devices' rows, before SP splits
-    them) uses: ``w8a16`` up to ``w8a16_max_tokens``, ``w8a8`` above."""
+    them) uses: ``w8a16`` up to ``w8a16_max_tokens``, ``w8a8`` above. 64: on the H200 the
+    Mosaic kernels at n = k = 4096 took 17.8 us (w8a16) against 20.5 us (w8a8) at 64
+    tokens and 42.3 against 28.7 us at 256 (benchmarks/results/fp8_h200/gemm/)."""
 
     w8a16_max_tokens: int = 64
 

