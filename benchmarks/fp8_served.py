@@ -26,9 +26,9 @@ from pathlib import Path
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 SERVE_8B = ["--max-model-len", "5120", "--max-num-seqs", "64", "--max-num-batched-tokens", "4096",
-            "--token-buckets", "16,64,1024,4096", "--seq-buckets", "1,16,64"]
+            "--token-buckets", "16,64,4096", "--seq-buckets", "1,64"]
 SERVE_70B = ["--max-model-len", "2048", "--max-num-seqs", "16", "--max-num-batched-tokens", "1024",
-             "--token-buckets", "16,1024", "--seq-buckets", "1,16"]
+             "--token-buckets", "16,1024", "--seq-buckets", "1"]
 # name -> (model config, serve arguments, environment)
 DEPLOYMENTS = {
     "bf16": ("Llama-3.1-8B", [*SERVE_8B], {}),
