@@ -164,3 +164,14 @@ def test_sigterm_under_load_drains_visibly_then_exits_0(tmp_path):
         if server.process.poll() is None:
             server.process.kill()
             server.process.wait(10)
+
+
+def test_a_start_up_that_fails_says_why_and_exits_1(tmp_path):
+    """The service is built on a thread; its error reaches the command (it once raised a
+    NameError in the callback instead, and the server waited for ever, NOT_SERVING)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "shiftjax.serving.cli", "serve", "--model", "benchmarks/configs/Llama-3.1-8B",
+         "--load-format", "dummy", "--tokenizer", str(tmp_path / "nowhere"), "--port", "0", "--cpu-devices", "1"],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert re.search(r"start-up failed: CheckpointError: .*nowhere has no tokenizer\.json", done.stderr)

@@ -145,7 +145,12 @@ async def _serve(args, tls, api_key) -> int:
 
     metrics = Metrics()
     started = time.monotonic()
-    service = await _build_or_stop(args, metrics, stop)
+    try:
+        service = await _build_or_stop(args, metrics, stop)
+    except Exception as error:  # noqa: BLE001 - a bad tokenizer path, an unusable mesh...: say so, exit 1
+        log.error("start-up failed: %s: %s", type(error).__name__, error)
+        await grpc_server.server.stop(0)
+        return 1
     if service is not None:
         if args.served_model_name:  # one name on both front ends
             service.model_name = args.served_model_name
@@ -241,7 +246,9 @@ async def _build_or_stop(args, observer, stop: asyncio.Event):
             service = _build_service(args, observer)
             built.get_loop().call_soon_threadsafe(lambda: built.done() or built.set_result(service))
         except BaseException as error:  # noqa: BLE001 (re-raised on the loop)
-            built.get_loop().call_soon_threadsafe(lambda: built.done() or built.set_exception(error))
+            # bound now: Python unbinds ``error`` when the except block ends, before the loop
+            # runs the callback (which then raised NameError and the server waited forever)
+            built.get_loop().call_soon_threadsafe(lambda failure=error: built.done() or built.set_exception(failure))
 
     threading.Thread(target=build, name="build-service", daemon=True).start()
     stopped = asyncio.ensure_future(stop.wait())
