@@ -1,0 +1,145 @@
+"""Issue 28 on one GPU within a small device budget: the engine's step function with FP8
+weights against bf16, on the Llama-3.1-8B shape cut to ``--layers`` layers (a decode step's
+time is the layers' plus the LM head's; compile time grows with depth), timed by wall clock
+over repeated donated calls after a warm-up:
+
+- decode at 1 sequence (16-token bucket) and 64 sequences (64 tokens), each at a context
+  of 1,024 tokens; the 64-sequence step also with an FP8 KV cache;
+- prefill of one 4,096-token prompt (TTFT's device part);
+- the read-only stream rate measured in the same run, and each decode step's weight floor
+  (the weight bytes it reads over that rate).
+
+    python3 -P benchmarks/fp8_step.py --out DIR          # the H200 (via benchmarks/gpu_env.sh)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from shiftjax.batch import empty_batch
+from shiftjax.cache import CacheConfig, allocate_cache
+from shiftjax.checkpoints.dummy import dummy_weights
+from shiftjax.config import ModelConfig
+from shiftjax.layouts.mesh import make_mesh
+from shiftjax.step_options import StepOptions
+from shiftjax.steps import make_step
+
+CONFIG = Path(__file__).resolve().parent / "configs" / "Llama-3.1-8B" / "config.json"
+PAGE = 16
+CASES = {  # name -> (tokens bucket, sequences, context before the step, new tokens per sequence)
+    "decode_1": (16, 1, 1024, 1),
+    "decode_64": (64, 64, 1024, 1),
+    "prefill_4096": (4096, 1, 0, 4096),
+}
+
+
+def stream_rate() -> float:
+    x = jnp.ones((1 << 30,), jnp.bfloat16)  # 2 GiB
+    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    f(x).block_until_ready()
+    best = 0.0
+    for _ in range(3):
+        started = time.perf_counter()
+        for _ in range(20):
+            out = f(x)
+        out.block_until_ready()
+        best = max(best, x.nbytes * 20 / (time.perf_counter() - started))
+    del x
+    return best
+
+
+def batch_for(tokens: int, seqs: int, context: int, new: int, max_pages: int):
+    batch = empty_batch(tokens, seqs, max_pages)
+    per_seq = -(-(context + new) // PAGE)
+    row = 0
+    for s in range(seqs):
+        positions = np.arange(context, context + new)
+        pages = 1 + s * per_seq + np.arange(per_seq)
+        batch.token_ids[row:row + new] = (7 + s + positions) % 30000
+        batch.positions[row:row + new] = positions
+        batch.slot_mapping[row:row + new] = pages[positions // PAGE] * PAGE + positions % PAGE
+        row += new
+        batch.query_start[s + 1] = row
+        batch.seq_lens[s] = context + new
+        batch.page_table[s, :per_seq] = pages
+        batch.sample_index[s] = row - 1
+    return jax.tree.map(jnp.asarray, batch), 1 + seqs * per_seq
+
+
+def weight_bytes(config: ModelConfig, fp8: bool) -> int:
+    d, f, n = config.hidden_size, config.intermediate_size, config.num_layers
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    gemm = n * (d * (q + 2 * kv) + q * d + 2 * d * f + f * d)
+    return gemm * (1 if fp8 else 2) + 2 * d * config.vocab_size  # + the bf16 LM head
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--attention", default="pallas", help="reference: the CPU check of this script")
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--fp8-kv", action="store_true", help="also the 64-sequence decode over an FP8 cache")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    config = dataclasses.replace(ModelConfig.from_json_file(CONFIG), num_layers=args.layers)
+    mesh = make_mesh(1, 1)
+    result = {"device": str(jax.devices()[0]), "jax": jax.__version__, "layers": args.layers,
+              "stream_bytes_per_s": stream_rate(), "runs": {}}
+    print("stream", result["stream_bytes_per_s"], flush=True)
+    options = StepOptions(attention=args.attention, layer_loop="unrolled", sample_in_step=False)
+    chosen = args.cases.split(",")
+    variants = (("bf16", "none", "bfloat16", tuple(CASES)), ("fp8", "fp8", "bfloat16", tuple(CASES)),
+                ("fp8_kv", "fp8", "float8_e4m3fn", ("decode_64",)))[:3 if args.fp8_kv else 2]
+    for name, quantization, cache_dtype, cases in variants:
+        weights = dummy_weights(config, mesh=mesh, dtype="bfloat16", quantization=quantization)
+        step = make_step(weights, "tp", options)
+        for case in [c for c in cases if c in chosen]:
+            tokens, seqs, context, new = CASES[case]
+            max_pages = -(-(context + new) // PAGE)
+            batch, pages = batch_for(tokens, seqs, context, new, max_pages)
+            key = f"{name}/{case}"
+            try:
+                caches = allocate_cache(mesh, config.num_layers, weights.layout.kv_slots, config.head_dim,
+                                        CacheConfig(num_pages=pages, page_size=PAGE, dtype=cache_dtype))
+                started = time.perf_counter()
+                out, caches = step(weights.tp, caches, batch)
+                jax.block_until_ready(out.packed)
+                compile_s = time.perf_counter() - started
+                times = []
+                for _ in range(args.iterations):
+                    started = time.perf_counter()
+                    out, caches = step(weights.tp, caches, batch)
+                    jax.block_until_ready(out.packed)
+                    times.append(time.perf_counter() - started)
+                run = {"ms_median": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times),
+                       "first_call_s": round(compile_s, 1), "finite": bool(np.isfinite(np.asarray(out.logits)).all())}
+                if case.startswith("decode"):
+                    floor = weight_bytes(config, quantization == "fp8") / result["stream_bytes_per_s"]
+                    run["weight_floor_ms"] = 1e3 * floor
+                    run["floor_over_median"] = floor * 1e3 / run["ms_median"]
+                del caches
+            except Exception as error:  # noqa: BLE001 - a variant that fails is a finding
+                run = {"error": f"{type(error).__name__}: {str(error)[:600]}"}
+            bf16 = result["runs"].get(f"bf16/{case}", {})
+            if "ms_median" in run and "ms_median" in bf16:
+                run["over_bf16"] = run["ms_median"] / bf16["ms_median"]
+            result["runs"][key] = run
+            print(key, json.dumps(run), flush=True)
+            (args.out / "fp8_step.json").write_text(json.dumps(result, indent=1))
+        del weights, step
+
+
+if __name__ == "__main__":
+    sys.exit(main())
