@@ -125,7 +125,9 @@ def main():
         model, serve_args, env = DEPLOYMENTS[name]
         config_path = CONFIGS / model / "config.json"
         command = ["{python}", "-P", "-m", "shiftjax.serving.cli", "serve", "--model", str(config_path),
-                   "--load-format", "dummy", "--dtype", "bfloat16", "--port", "{port}", *serve_args]
+                   "--load-format", "dummy", "--dtype", "bfloat16", "--port", "{port}",
+                   # the default model's tokenizer, shipped in the tree (its GGUF is not on the device)
+                   "--tokenizer", str(CONFIGS / "smollm2-tokenizer"), *serve_args]
         if args.smoke:  # the default model on one CPU device, tiny buckets
             from shiftjax.checkpoints.default_model import default_model_path
 
