@@ -211,3 +211,16 @@ def test_a_bad_speculative_option_is_a_usage_error_naming_the_flag(argv, message
         assert exited.value.code == 2
         error = capsys.readouterr().err
         assert "error: " in error and message in error, error
+
+
+def test_quantization_and_kv_cache_dtype_flags_on_generate_and_serve():
+    from shiftjax.serving.engine.config import EngineConfig
+    from shiftjax.serving.engine.engine_args import engine_options
+
+    for name, parse in _serve_and_generate_parsers():
+        default = parse([])
+        assert default.quantization is None and EngineConfig(**engine_options(default)).cache_dtype is None, name
+        fp8 = parse(["--quantization", "fp8", "--kv-cache-dtype", "fp8"])
+        assert fp8.quantization == "fp8", name
+        assert EngineConfig(**engine_options(fp8)).cache_dtype == "float8_e4m3fn", name
+        assert engine_options(parse(["--kv-cache-dtype", "bfloat16"]))["cache_dtype"] == "bfloat16", name
