@@ -50,12 +50,16 @@ def test_tp_sp_and_alternate_give_identical_fp8_logits_and_pages(params, algorit
         assert 1e-4 < error < 0.1, error
 
 
-def test_aliased_views_share_the_fp8_buffers(params):
-    weights = shard_params(params, CONFIG, make_mesh(2, 2), "aliased", "fp8")
-    tp_view, sp_view = weights.tp.layers.wqkv, weights.sp.layers.wqkv
-    tp_buffers = {shard.data.unsafe_buffer_pointer() for shard in tp_view.values.addressable_shards}
-    sp_buffers = {shard.data.unsafe_buffer_pointer() for part in sp_view for shard in part.values.addressable_shards}
-    assert tp_buffers <= sp_buffers  # TP mode reads the SP shards' own bytes
+@pytest.mark.parametrize("sp,tp", [(2, 2), (1, 2), (1, 1)])
+def test_aliased_views_hold_one_copy_of_the_fp8_weights(params, sp, tp):
+    weights = shard_params(params, CONFIG, make_mesh(sp, tp), "aliased", "fp8")
+    for name in ("wqkv", "w_down"):
+        tp_view, sp_view = getattr(weights.tp.layers, name), getattr(weights.sp.layers, name)
+        for field in ("values", "scale"):
+            tp_buffers = {s.data.unsafe_buffer_pointer() for s in getattr(tp_view, field).addressable_shards}
+            sp_buffers = {s.data.unsafe_buffer_pointer() for part in sp_view
+                          for s in getattr(part, field).addressable_shards}
+            assert tp_buffers <= sp_buffers, (name, field)  # TP mode reads the SP shards' own bytes
 
 
 def test_scales_are_per_output_channel_and_do_not_depend_on_the_mesh(params):
