@@ -173,7 +173,7 @@ def dummy_weights(config: ModelConfig, *, mesh: Mesh, dtype="bfloat16", weight_s
     weight_storage)``; device memory holds only the final weights plus one layer's
     temporaries of one block array. ``quantization="fp8"``: each layer GEMM weight is made
     in ``dtype`` and quantized at once (``shiftjax.quantization``), so the peak is the FP8
-    weights made so far plus one block array in ``dtype``.
+    weights made so far plus one block array in ``dtype`` and its FP8 form.
     """
     make_blocks, make_replicated = _block_maker(mesh, param_shapes(config), seed, jnp.dtype(dtype))
     return assemble_weights(config, mesh, weight_storage, make_blocks, make_replicated, quantization)
