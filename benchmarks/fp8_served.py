@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
@@ -146,7 +147,7 @@ def main():
                      "quantization": info.get("quantization"), "page_pool": info.get("page_pool"), "runs": {}}
             for load in LOADS[name]:
                 count, length, max_tokens, concurrency = sizes[load]
-                run = run_load(server.grpc_address, prompts_of(count, length, hash(load) % 1000, vocab),
+                run = run_load(server.grpc_address, prompts_of(count, length, zlib.crc32(load.encode()), vocab),
                                concurrency, max_tokens)
                 entry["runs"][load] = run
                 print(name, load, json.dumps(run), file=sys.stderr, flush=True)

@@ -6,14 +6,17 @@ and stores each quantized linear layer as ``<layer>.weight`` in ``F8_E4M3`` (``[
 with ``<layer>.weight_scale`` in float32 or bf16: one scale per output channel
 (``[out, 1]``, strategy ``channel``) or one for the tensor (``[1]`` or ``[]``, strategy
 ``tensor``). ``<layer>.input_scale`` (static activation scales) is read past: shiftjax
-quantizes activations per token in the step.
+quantizes activations per token in the step; so are a ``kv_cache_scheme``'s
+``self_attn.k_scale`` / ``v_scale`` (``--kv-cache-dtype fp8`` runs at scales of 1.0).
 
 The converter dequantizes ``values * scale`` into the canonical float32 or bf16 arrays and
 records the quantization in ``shiftjax.json``, so the checkpoint is served FP8 by default.
-With per-channel scales the load's per-channel quantization gives back the checkpoint's
-e4m3 values (their absmax is 448 times the scale, and a dequantized weight is off by less
-than a bf16 rounding, far inside half an e4m3 step); per-tensor scales become per-channel
-ones, which can only make the weights finer.
+Where each channel's scale is its absmax over 448 (the min-max observer llm-compressor
+uses by default), the load's per-channel quantization gives back the checkpoint's e4m3
+values (a dequantized weight is off by less than a bf16 rounding, far inside half an e4m3
+step; tests/test_fp8_weights.py checks it in float32 and bf16). Other scales, and
+per-tensor ones, become per-channel absmax scales: the values are quantized again, on a
+grid as fine or finer.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from shiftjax.checkpoints.format import CheckpointError
 FP8_DTYPE = "F8_E4M3"
 SCALE_DTYPES = ("F32", "BF16", "F16")
 SCALE_SUFFIX = ".weight_scale"
-IGNORED_SUFFIXES = (".input_scale",)
+IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -233,7 +233,8 @@ def restore_weights(path: str | Path, *, mesh, dtype=None, weight_storage: str =
     """Restores a checkpoint straight into the block layout of ``mesh`` (sharded restore).
 
     Equal, bit for bit, to ``shard_params(load_checkpoint(path, dtype=dtype, shardings=
-    replicated)[1], config, mesh, weight_storage)``, without ever holding a canonical tensor
+    replicated)[1], config, mesh, weight_storage, quantization)`` (with ``quantization`` as
+    resolved below), without ever holding a canonical tensor
     on a device. ``dtype`` None keeps the stored dtype. ``reader`` is for tests that count
     what is read. ``quantization``: ``"fp8"`` quantizes the layer GEMM weights as they load
     (``shiftjax.quantization``); None: as the checkpoint says (``fp8`` for one converted from
@@ -245,6 +246,10 @@ def restore_weights(path: str | Path, *, mesh, dtype=None, weight_storage: str =
     info = read_marker(path)
     if quantization is None:
         quantization = checkpoint_quantization(info)
+        if quantization != "none" and weight_storage != "aliased":
+            raise CheckpointError(f"{path} was converted from an {quantization} checkpoint and is served "
+                                  f"{quantization}, which needs --weight-storage aliased; or serve it in its "
+                                  f"dtype with --quantization none")
     config = load_config(path)
     shapes = _checked_shapes(path, info, config)
     target_dtype = jnp.dtype(dtype if dtype is not None else info.get("dtype", "float32"))

@@ -66,8 +66,10 @@ def _quantize_layer(w: jax.Array, scale: jax.Array) -> jax.Array:
 def quantize_blocks(blocks: jax.Array, kind: str) -> Fp8Weight:
     """``blocks`` (``[layers, P, k, n]``, any sharding along ``P``) quantized per output
     channel, in the same sharding. ``kind``: ``"column"`` (the channel is a block's column)
-    or ``"row"`` (cut along ``k``: the channel's absmax is over every block). Donates
-    ``blocks``; one layer at a time, so the float32 temporaries are a layer's."""
+    or ``"row"`` (cut along ``k``: the channel's absmax is over every block). One layer
+    at a time, so the float32 temporaries are a layer's; the caller holds ``blocks`` and
+    its FP8 form together until it drops ``blocks`` (the outputs' shapes and dtypes differ
+    from the input's, so donating it would reuse nothing)."""
     if kind not in ("column", "row"):
         raise ValueError(f"kind must be column or row, got {kind!r}")
     sharding = blocks.sharding
@@ -89,7 +91,7 @@ def quantize_blocks(blocks: jax.Array, kind: str) -> Fp8Weight:
         lead = tuple(spec)[:2] + (None,) * (2 - len(tuple(spec)[:2]))
         out_shardings = Fp8Weight(values=NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*lead)),
                                   scale=NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*lead)))
-    return jax.jit(quantize, donate_argnums=0, out_shardings=out_shardings)(blocks)
+    return jax.jit(quantize, out_shardings=out_shardings)(blocks)
 
 
 def dequantize(weight: Fp8Weight, dtype=jnp.float32) -> jax.Array:

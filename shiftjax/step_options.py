@@ -30,7 +30,8 @@ class StepOptions:
     - ``gemm``: ``cublas`` or ``triton`` GEMMs on GPUs (``serving/engine/compile.py``).
     - ``quantized_gemm``: who multiplies FP8 weights (``kernels/fp8_gemm.py``): the XLA
       ``reference``, the Mosaic GPU kernels (``pallas``), or ``auto``: the kernels where
-      every device of the mesh has FP8 tensor cores, the reference elsewhere (the CPU).
+      every device of the mesh is a Hopper GPU (sm_90, what they are written and measured
+      for), the reference elsewhere (the CPU, and GPUs they were not tried on).
     - ``xla_options``: more XLA options for every step, as ``(name, value)`` pairs (a
       benchmark's variant; the engine adds none).
     """

@@ -338,7 +338,7 @@ def assemble_weights(config: ModelConfig, mesh: Mesh, storage: blk.WeightStorage
             if quantization == "none":
                 tp_view[name], sp_view[name] = blk.tp_view_of_shards(shards, mesh), shards
                 continue
-            # quantized from the TP view of the shards (their own buffers, donated)
+            # quantized from the TP view of the shards (their own buffers, no copy)
             blocks = blk.tp_view_of_shards(shards, mesh)
             del shards
         else:

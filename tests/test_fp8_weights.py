@@ -86,11 +86,14 @@ def test_fp8_needs_aliased_storage_and_a_known_name(params):
         shard_params(params, CONFIG, make_mesh(1, 1), "aliased", "int4")
 
 
-def test_the_cli_lists_the_valid_quantizations():
+def test_the_cli_lists_the_valid_quantizations_and_refuses_fp8_with_two_copies():
     done = subprocess.run([sys.executable, "-m", "shiftjax.serving.cli", "serve", "--quantization", "int4"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "--quantization: invalid choice: 'int4' (choose from 'none', 'fp8')" in done.stderr.replace('"', "'")
+    done = subprocess.run([sys.executable, "-m", "shiftjax.serving.cli", "serve", "--quantization", "fp8",
+                           "--weight-storage", "two_copies"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--quantization fp8 needs --weight-storage aliased" in done.stderr
 
 
 # --- compressed-tensors checkpoints ------------------------------------------------------
@@ -143,9 +146,10 @@ def make_fp8_checkpoint(tmp_path, *, strategy="channel", drop_scale=None, bad_sc
     return hf_dir, quantized
 
 
-def test_a_compressed_tensors_checkpoint_loads_back_its_own_fp8_values(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_compressed_tensors_checkpoint_loads_back_its_own_fp8_values(tmp_path, dtype):
     hf_dir, quantized = make_fp8_checkpoint(tmp_path)
-    converted = convert_hf_checkpoint(hf_dir, tmp_path / "ckpt", dtype="float32")
+    converted = convert_hf_checkpoint(hf_dir, tmp_path / "ckpt", dtype=dtype)
     assert read_marker(converted)["quantization"]["method"] == "fp8"
     config, weights = restore_weights(converted, mesh=make_mesh(1, 1))  # fp8: the checkpoint says so
     assert weights.quantization == "fp8"
@@ -154,9 +158,13 @@ def test_a_compressed_tensors_checkpoint_loads_back_its_own_fp8_values(tmp_path)
         values, scale = quantized[f"model.layers.{layer}.mlp.down_proj.weight"]
         got = np.asarray(down.values[layer, 0]).astype(np.float32)
         np.testing.assert_array_equal(got, values.astype(np.float32))  # the checkpoint's own e4m3 values
-        np.testing.assert_allclose(np.asarray(down.scale[layer, 0]), scale[:, 0], rtol=1e-6)
+        # float32 storage keeps the scale to its last bits; bf16 storage to a bf16 rounding
+        np.testing.assert_allclose(np.asarray(down.scale[layer, 0]), scale[:, 0],
+                                   rtol=1e-6 if dtype == "float32" else 2 ** -8)
     _, plain = restore_weights(converted, mesh=make_mesh(1, 1), quantization="none")
     assert plain.quantization == "none" and not isinstance(plain.tp.layers.w_down, Fp8Weight)
+    with pytest.raises(CheckpointError, match="served fp8, which needs --weight-storage aliased.*--quantization none"):
+        restore_weights(converted, mesh=make_mesh(1, 1), weight_storage="two_copies")
 
 
 def test_a_missing_scale_is_refused_with_its_name(tmp_path):
@@ -195,5 +203,5 @@ def test_an_fp8_tensor_without_a_quantization_config_is_refused(tmp_path):
     config = json.loads((hf_dir / "config.json").read_text())
     del config["quantization_config"]
     (hf_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError):
+    with pytest.raises(CheckpointError, match="is F8_E4M3, but config.json has no quantization_config"):
         convert_hf_checkpoint(hf_dir, tmp_path / "ckpt")

@@ -201,6 +201,9 @@ def engine_arguments_error(args: argparse.Namespace) -> str | None:
         speculative_config(args)
     except ValueError as error:
         return str(error)
+    if args.quantization not in (None, "none") and args.weight_storage != "aliased":
+        return (f"--quantization {args.quantization} needs --weight-storage aliased (the contiguous SP copy "
+                f"would quantize activations differently from TP mode)")
     return None
 
 

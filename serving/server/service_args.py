@@ -27,8 +27,7 @@ def build_service(args: argparse.Namespace, *, observer=None, report=stderr_repo
     name = "default" if args.model == "default" else Path(args.model).name
     return AsyncEngineService(build_engine, tokenizer, model_name=name, observer=observer,
                               details={"load_format": args.load_format, "dtype": args.dtype,
-                                       "weight_storage": args.weight_storage,
-                                       "kv_cache_dtype": args.kv_cache_dtype})
+                                       "weight_storage": args.weight_storage})
 
 
 def data_parallel_error(args: argparse.Namespace) -> str | None:
@@ -77,8 +76,7 @@ def build_data_parallel_service(args: argparse.Namespace, *, observer=None, repo
         return lambda: build_llm(args, report=replica_report, devices=[devices[index]]).engine
 
     name = "default" if args.model == "default" else Path(args.model).name
-    details = {"load_format": args.load_format, "dtype": args.dtype, "weight_storage": args.weight_storage,
-               "kv_cache_dtype": args.kv_cache_dtype}
+    details = {"load_format": args.load_format, "dtype": args.dtype, "weight_storage": args.weight_storage}
     replicas = [AsyncEngineService(build_engine(i), tokenizer, model_name=name, observer=summed, details=details)
                 for i in range(args.dp)]
     return DataParallelService(replicas, tokenizer, model_name=name,
