@@ -70,15 +70,20 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tokens-per-text", type=int, default=1024)
+    parser.add_argument("--smoke", action="store_true", help="40 tokens of one text, float32 against FP8")
     args = parser.parse_args()
+    variants, texts_read = VARIANTS, TEXTS
+    if args.smoke:
+        args.tokens_per_text, texts_read = 40, TEXTS[:1]
+        variants = {name: VARIANTS[name] for name in ("float32", "fp8_weights")}
     tokenizer = load_tokenizer(default_model_path())
     texts = {name: tokenizer.encode((ROOT / name).read_text(), add_special_tokens=True)[:args.tokens_per_text]
-             for name in TEXTS}
+             for name in texts_read}
     mesh = make_mesh(1, 1)
     reference: dict[str, np.ndarray] = {}
     result = {"model": "SmolLM2-135M-Instruct (the default model)", "texts": {k: len(v) for k, v in texts.items()},
               "variants": {}}
-    for variant, (dtype, quantization, cache_dtype) in VARIANTS.items():
+    for variant, (dtype, quantization, cache_dtype) in variants.items():
         started = time.perf_counter()
         _, weights = load_weights("default", mesh=mesh, dtype=dtype, quantization=quantization)
         kl, agree, positions = 0.0, 0, 0

@@ -22,6 +22,7 @@ is about 3e-3) is wrong, and the script exits 1 at the end.
 
     source benchmarks/gpu_env.sh && python3 -P benchmarks/fp8_gemm_bench.py --out $OUT   # H200
     python3 -P benchmarks/fp8_gemm_bench.py --probe --out $OUT    # API and variant probe
+    python benchmarks/fp8_gemm_bench.py --smoke --out DIR          # the CPU: the XLA rows on a tiny shape
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from shiftjax.kernels import fp8_gemm_mosaic as mosaic  # noqa: E402
 SHAPES = {  # name -> (n, k) of the weight [n, k]
     "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
     "70b.qkv": (10240, 8192), "70b.o": (8192, 8192), "70b.gate_up": (57344, 8192), "70b.down": (8192, 28672),
+    "smoke": (256, 256),  # --smoke only
 }
 MS = (1, 16, 64, 256, 1024, 4096)
 W8A16_MAX_M = 256
@@ -97,6 +99,8 @@ def implementations(m: int, kernel_configs: dict) -> dict:
     impls = {"xla_bf16": (bf16_dot, True, None),
              "xla_w8a16": (fp8_gemm.w8a16_matmul_reference, False, "w8a16"),
              "xla_w8a8": (xla_w8a8, False, "w8a8")}
+    if jax.default_backend() != "gpu":  # --smoke on the CPU: the Mosaic kernels need a Hopper GPU
+        return impls
     if m <= W8A16_MAX_M:
         cfg = kernel_configs.get("w8a16")
         impls["mosaic_w8a16"] = (lambda x, v, s, c=cfg: mosaic.w8a16_matmul(x, v, s, c), False, "w8a16")
@@ -281,11 +285,14 @@ def main():
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--probe", action="store_true")
     parser.add_argument("--no-ceilings", action="store_true", help="skip the FP8 rate and the stream (a probe)")
-    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--shapes", default=",".join(name for name in SHAPES if name != "smoke"))
     parser.add_argument("--ms", default=",".join(map(str, MS)))
     parser.add_argument("--stream-gib", type=float, default=2.0)
     parser.add_argument("--fp8-n", type=int, default=8192, help="size of the FP8 rate's square dot")
+    parser.add_argument("--smoke", action="store_true", help="the CPU: the smoke shape, m = 16, small ceilings")
     args = parser.parse_args()
+    if args.smoke:
+        args.shapes, args.ms, args.stream_gib, args.fp8_n = "smoke", "16", 1 / 64, 256
     os.makedirs(args.out, exist_ok=True)
     log_file = open(os.path.join(args.out, "probe.log" if args.probe else "fp8_gemm.log"), "w")
 

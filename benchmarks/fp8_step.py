@@ -90,10 +90,20 @@ def main():
     parser.add_argument("--attention", default="pallas", help="reference: the CPU check of this script")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--fp8-kv", action="store_true", help="also the 64-sequence decode over an FP8 cache")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the CPU: the default model's shape, 2 layers, short contexts, the reference attention")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    config = dataclasses.replace(ModelConfig.from_json_file(CONFIG), num_layers=args.layers)
+    cases = dict(CASES)
+    if args.smoke:
+        from shiftjax.checkpoints.default_model import default_model_path
+
+        config = dataclasses.replace(ModelConfig.from_json_file(default_model_path() / "config.json"), num_layers=2)
+        args.attention, args.iterations, args.fp8_kv = "reference", 2, True
+        cases = {"decode_1": (16, 1, 64, 1), "decode_64": (16, 4, 64, 1), "prefill_4096": (64, 1, 0, 64)}
+    else:
+        config = dataclasses.replace(ModelConfig.from_json_file(CONFIG), num_layers=args.layers)
     mesh = make_mesh(1, 1)
     result = {"device": str(jax.devices()[0]), "jax": jax.__version__, "layers": args.layers,
               "stream_bytes_per_s": stream_rate(), "runs": {}}
@@ -102,11 +112,11 @@ def main():
     chosen = args.cases.split(",")
     variants = (("bf16", "none", "bfloat16", tuple(CASES)), ("fp8", "fp8", "bfloat16", tuple(CASES)),
                 ("fp8_kv", "fp8", "float8_e4m3fn", ("decode_64",)))[:3 if args.fp8_kv else 2]
-    for name, quantization, cache_dtype, cases in variants:
+    for name, quantization, cache_dtype, cases_of in variants:
         weights = dummy_weights(config, mesh=mesh, dtype="bfloat16", quantization=quantization)
         step = make_step(weights, "tp", options)
-        for case in [c for c in cases if c in chosen]:
-            tokens, seqs, context, new = CASES[case]
+        for case in [c for c in cases_of if c in chosen]:
+            tokens, seqs, context, new = cases[case]
             max_pages = -(-(context + new) // PAGE)
             batch, pages = batch_for(tokens, seqs, context, new, max_pages)
             key = f"{name}/{case}"

@@ -50,10 +50,16 @@ SCRIPTS = {"shift_x2.py": (["--smoke", "--engine-variants", "shipped,in_step_sam
            "drafter_host_cost.py": (["--smoke"], "drafter_host_cost.json"),
            "speculative_acceptance.py": (["--smoke", "--methods", "suffix"], "speculative_acceptance.json"),
            "speculative_served.py": (["--smoke"], "speculative_served.json"),
-           "speculative_projection.py": (["--smoke"], "speculative_projection.json")}
+           "speculative_projection.py": (["--smoke"], "speculative_projection.json"),
+           "fp8_gemm_bench.py": (["--smoke"], "fp8_gemm.json"),
+           "fp8_kv_attention.py": (["--smoke"], "fp8_kv_attention.json"),
+           "fp8_step.py": (["--smoke"], "fp8_step.json"),
+           "fp8_accuracy.py": (["--smoke"], "fp8_accuracy.json"),
+           "fp8_served.py": (["--smoke", "--deployments", "bf16,fp8_kv"], "fp8_served.json")}
 # restore_gpu.py --smoke runs in tests/test_sharded_restore.py, which checks its phases' results
 SMOKED_ELSEWHERE = {"restore_gpu.py"}
-SLOW = {"shift_x2.py", "x8_checks.py", "hostile_clients.py", "speculative_acceptance.py", "speculative_served.py"}  # about a minute of wall clock each on a 2-core machine
+SLOW = {"shift_x2.py", "x8_checks.py", "hostile_clients.py", "speculative_acceptance.py", "speculative_served.py",
+        "fp8_served.py"}  # about a minute of wall clock each on a 2-core machine
 
 
 def run(cmd, env_extra=None, timeout=900, cwd=ROOT):

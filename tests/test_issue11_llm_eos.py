@@ -53,6 +53,7 @@ def test_a_request_ending_at_eos_stops_there(edited_checkpoint):
     assert EOS in llm.engine.eos_token_ids
     # start-up reports its phases: the weights (LLM), then the engine's
     assert lines[0] == f"weights ready in {llm.load_seconds:.1f} s (orbax)" and llm.load_seconds > 0
+    assert lines[1] == "quantization none: every weight float32"
     assert lines[-1].startswith("start-up: kv cache ") and " executables " in lines[-1]
     stops, runs_on = llm.generate([prompt, prompt], [SamplingParams(max_tokens=NEW_TOKENS),
                                                       SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)])

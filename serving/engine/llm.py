@@ -63,8 +63,8 @@ class LLM:
         jax.block_until_ready((self.weights.tp, self.weights.sp))  # time the loading, not its dispatch
         self.load_seconds = time.perf_counter() - started
         if report is not None:
-            report(f"weights ready in {self.load_seconds:.1f} s ({load_format}); quantization "
-                   f"{describe_quantization(self.weights.quantization, self.weights.tp.embed.dtype)}")
+            report(f"weights ready in {self.load_seconds:.1f} s ({load_format})")
+            report(f"quantization {describe_quantization(self.weights.quantization, self.weights.tp.embed.dtype)}")
         self.tokenizer = load_tokenizer(tokenizer_path_for(model, load_format, tokenizer))
         eos = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.config.eos_token_ids))
         grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.config.vocab_size, eos)
