@@ -41,32 +41,26 @@ DEPLOYMENTS = {
 LOADS = {"bf16": ("c1", "c64", "ttft4096"), "fp8": ("c1", "c64", "ttft4096"), "fp8_kv": ("c1", "c64"),
          "fp8_70b": ("c1",)}
 
+# roofline.read_ceiling in a process of its own, so that this one never holds GPU memory
 STREAM_PROBE = r"""
-import json, time, jax, jax.numpy as jnp
-x = jnp.ones((2 << 30) // 2, jnp.bfloat16)  # 2 GiB
-f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-f(x).block_until_ready()
-best = []
-for _ in range(3):
-    t = time.perf_counter()
-    for _ in range(20):
-        out = f(x)
-    out.block_until_ready()
-    best.append(x.nbytes * 20 / (time.perf_counter() - t))
-print(json.dumps({"stream_bytes_per_s": max(best), "readings": best}))
+import json, sys
+sys.path.insert(0, sys.argv[1])  # benchmarks/
+from roofline import read_ceiling
+ceiling = read_ceiling()
+print(json.dumps({"stream_bytes_per_s": ceiling["best"], "what": ceiling["what"], "timer": ceiling["timer"]}))
 """
 
 
-def weight_bytes(config: dict, quantization: str) -> int:
-    """Bytes a decode step reads of the weights: the layer GEMMs (1 byte a weight in FP8
-    plus their scales, 2 in bf16) and the LM head (bf16); the embedding is gathered."""
-    d, f, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-    hd = config.get("head_dim") or d // config["num_attention_heads"]
-    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+def weight_bytes(config, quantization: str) -> int:
+    """Bytes a decode step reads of the weights (``config``: a ``ModelConfig``): the layer
+    GEMMs (1 byte a weight in FP8 plus their scales, 2 in bf16) and the LM head (bf16); the
+    embedding is gathered."""
+    d, f, layers = config.hidden_size, config.intermediate_size, config.num_layers
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     gemm = layers * (d * (q + 2 * kv) + q * d + d * 2 * f + f * d)
     channels = layers * ((q + 2 * kv) + d + 2 * f + d)
     per_weight = 1 if quantization == "fp8" else 2
-    return gemm * per_weight + (channels * 4 if quantization == "fp8" else 0) + 2 * d * config["vocab_size"]
+    return gemm * per_weight + (channels * 4 if quantization == "fp8" else 0) + 2 * d * config.vocab_size
 
 
 def one_request(address: str, prompt_ids: list[int], max_tokens: int) -> dict:
@@ -115,7 +109,8 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"deployments": {}}
     if not args.smoke:
-        probe = subprocess.run([sys.executable, "-c", STREAM_PROBE], capture_output=True, text=True, timeout=300)
+        probe = subprocess.run([sys.executable, "-c", STREAM_PROBE, str(Path(__file__).resolve().parent)],
+                               capture_output=True, text=True, timeout=300)
         result["stream"] = json.loads(probe.stdout.strip().splitlines()[-1]) if probe.returncode == 0 else {
             "error": probe.stderr[-2000:]}
         print("stream", json.dumps(result["stream"]), file=sys.stderr, flush=True)
@@ -151,8 +146,10 @@ def main():
                                concurrency, max_tokens)
                 entry["runs"][load] = run
                 print(name, load, json.dumps(run), file=sys.stderr, flush=True)
-            hf = json.loads(config_path.read_text())
-            entry["weight_bytes_read_per_step"] = weight_bytes(hf, "fp8" if "--quantization" in serve_args else "none")
+            from shiftjax.config import ModelConfig  # (no JAX in this process)
+
+            entry["weight_bytes_read_per_step"] = weight_bytes(ModelConfig.from_json_file(config_path),
+                                                               "fp8" if "--quantization" in serve_args else "none")
             stream = result.get("stream", {}).get("stream_bytes_per_s")
             if stream:
                 entry["weight_floor_ms"] = round(1e3 * entry["weight_bytes_read_per_step"] / stream, 3)

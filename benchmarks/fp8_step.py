@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -34,6 +35,10 @@ from shiftjax.layouts.mesh import make_mesh
 from shiftjax.step_options import StepOptions
 from shiftjax.steps import make_step
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run with -P too
+from fp8_served import weight_bytes  # noqa: E402
+from roofline import read_ceiling  # noqa: E402
+
 CONFIG = Path(__file__).resolve().parent / "configs" / "Llama-3.1-8B" / "config.json"
 PAGE = 16
 CASES = {  # name -> (tokens bucket, sequences, context before the step, new tokens per sequence)
@@ -41,21 +46,6 @@ CASES = {  # name -> (tokens bucket, sequences, context before the step, new tok
     "decode_64": (64, 64, 1024, 1),
     "prefill_4096": (4096, 1, 0, 4096),
 }
-
-
-def stream_rate() -> float:
-    x = jnp.ones((1 << 30,), jnp.bfloat16)  # 2 GiB
-    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    f(x).block_until_ready()
-    best = 0.0
-    for _ in range(3):
-        started = time.perf_counter()
-        for _ in range(20):
-            out = f(x)
-        out.block_until_ready()
-        best = max(best, x.nbytes * 20 / (time.perf_counter() - started))
-    del x
-    return best
 
 
 def batch_for(tokens: int, seqs: int, context: int, new: int, max_pages: int):
@@ -74,13 +64,6 @@ def batch_for(tokens: int, seqs: int, context: int, new: int, max_pages: int):
         batch.page_table[s, :per_seq] = pages
         batch.sample_index[s] = row - 1
     return jax.tree.map(jnp.asarray, batch), 1 + seqs * per_seq
-
-
-def weight_bytes(config: ModelConfig, fp8: bool) -> int:
-    d, f, n = config.hidden_size, config.intermediate_size, config.num_layers
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    gemm = n * (d * (q + 2 * kv) + q * d + 2 * d * f + f * d)
-    return gemm * (1 if fp8 else 2) + 2 * d * config.vocab_size  # + the bf16 LM head
 
 
 def main():
@@ -106,7 +89,8 @@ def main():
         config = dataclasses.replace(ModelConfig.from_json_file(CONFIG), num_layers=args.layers)
     mesh = make_mesh(1, 1)
     result = {"device": str(jax.devices()[0]), "jax": jax.__version__, "layers": args.layers,
-              "stream_bytes_per_s": stream_rate(), "runs": {}}
+              "stream_bytes_per_s": read_ceiling(1 << 24, 1)["best"] if args.smoke else read_ceiling()["best"],
+              "runs": {}}
     print("stream", result["stream_bytes_per_s"], flush=True)
     options = StepOptions(attention=args.attention, layer_loop="unrolled", sample_in_step=False)
     chosen = args.cases.split(",")
@@ -136,7 +120,7 @@ def main():
                 run = {"ms_median": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times),
                        "first_call_s": round(compile_s, 1), "finite": bool(np.isfinite(np.asarray(out.logits)).all())}
                 if case.startswith("decode"):
-                    floor = weight_bytes(config, quantization == "fp8") / result["stream_bytes_per_s"]
+                    floor = weight_bytes(config, quantization) / result["stream_bytes_per_s"]
                     run["weight_floor_ms"] = 1e3 * floor
                     run["floor_over_median"] = floor * 1e3 / run["ms_median"]
                 del caches
