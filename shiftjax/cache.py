@@ -27,6 +27,12 @@ from shiftjax.pytrees import unchecked_init
 
 SCRATCH_PAGE = 0
 CACHE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
+CACHE_DTYPE_ALIASES = {"fp8": "float8_e4m3fn"}  # as vLLM's --kv-cache-dtype spells it
+
+
+def cache_dtype_named(name: str) -> str:
+    """``name`` with its alias resolved (``fp8`` is ``float8_e4m3fn``)."""
+    return CACHE_DTYPE_ALIASES.get(name, name)
 
 
 def check_cache_dtype(dtype: str, where: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shiftjax.cache import pages_for
+from shiftjax.cache import cache_dtype_named, check_cache_dtype, pages_for
 from shiftjax.kernels.collectives import ALL_REDUCES, ALL_TO_ALLS
 from shiftjax.serving.engine.speculative import SpeculativeConfig
 from shiftjax.step_options import ATTENTIONS, GEMM_BACKENDS, LAYER_LOOPS
@@ -36,7 +36,7 @@ class EngineConfig:
     all_to_all: str = "auto"
     # executables compiled at once at start-up (default: compile.compile_workers)
     compile_workers: int | None = None
-    cache_dtype: str | None = None  # default: the weights' dtype
+    cache_dtype: str | None = None  # default: the weights' dtype; "fp8" is float8_e4m3fn
     max_queue: int = 1024
     max_top_logprobs: int = 20  # alternatives a step can return per token (0: none, narrower result)
     # a directory of compiled steps (executable_store.py): a warm start skips tracing and lowering
@@ -73,6 +73,9 @@ class EngineConfig:
             raise ValueError("give num_pages or kv_memory_fraction, not both")
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be a SpeculativeConfig or None, got {self.speculative!r}")
+        if self.cache_dtype is not None:
+            object.__setattr__(self, "cache_dtype", cache_dtype_named(self.cache_dtype))  # frozen: resolved once
+            check_cache_dtype(self.cache_dtype, "EngineConfig.cache")
         if not 0 <= self.max_top_logprobs <= 20:
             raise ValueError(f"max_top_logprobs must be in [0, 20], got {self.max_top_logprobs}")
 

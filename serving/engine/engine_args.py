@@ -238,7 +238,7 @@ def configure_jax(args: argparse.Namespace) -> Path | None:
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The :class:`EngineConfig` fields the arguments set."""
-    cache_dtype = {"auto": None, "fp8": "float8_e4m3fn"}.get(args.kv_cache_dtype, args.kv_cache_dtype)
+    cache_dtype = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype  # EngineConfig reads "fp8"
     return dict(mode=args.mode, shift_threshold=args.shift_threshold, max_model_len=args.max_model_len,
                 cache_dtype=cache_dtype,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

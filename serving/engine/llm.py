@@ -68,8 +68,6 @@ class LLM:
         self.tokenizer = load_tokenizer(tokenizer_path_for(model, load_format, tokenizer))
         eos = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.config.eos_token_ids))
         grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.config.vocab_size, eos)
-        if engine_options.get("cache_dtype") == "fp8":
-            engine_options["cache_dtype"] = "float8_e4m3fn"
         if isinstance(engine_options.get("speculative"), dict):  # as vLLM's speculative_config
             engine_options["speculative"] = SpeculativeConfig(**engine_options["speculative"])
         self.engine = Engine(self.weights, EngineConfig(**engine_options), eos_token_ids=eos, report=report,
