@@ -22,13 +22,13 @@ grid as fine or finer.
 from __future__ import annotations
 
 import dataclasses
-import json
 import struct
 from pathlib import Path
 
 import numpy as np
 
 from shiftjax.checkpoints.format import CheckpointError
+from shiftjax.checkpoints.safetensors_files import read_header
 
 FP8_DTYPE = "F8_E4M3"
 SCALE_DTYPES = ("F32", "BF16", "F16")
@@ -82,28 +82,35 @@ def fp8_scheme(hf_config: dict) -> Fp8Scheme | None:
     return Fp8Scheme(weight_strategy="channel" if "channel" in strategies else "tensor", dynamic_activations=dynamic)
 
 
-def read_raw_tensor(file: Path, name: str) -> np.ndarray:
-    """One tensor of a safetensors file read from its bytes (safetensors' numpy reader has
-    no float8 types); F8_E4M3 becomes ml_dtypes' float8_e4m3fn."""
-    import ml_dtypes
+class RawTensors:
+    """Tensors of one safetensors file read from their bytes (safetensors' numpy reader has
+    no float8 types; F8_E4M3 becomes ml_dtypes' float8_e4m3fn). The tensor table is read
+    and checked against the file's size (``read_header``) once, not once per tensor."""
 
-    dtypes = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F32": np.float32, "BF16": ml_dtypes.bfloat16,
-              "F16": np.float16}
-    with open(file, "rb") as handle:
-        (header_len,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(header_len))
-        info = header[name]
+    def __init__(self, file: Path):
+        self.file = Path(file)
+        with open(self.file, "rb") as handle:
+            (header_len,) = struct.unpack("<Q", handle.read(8))
+        self.header, self.data_start = read_header(self.file), 8 + header_len
+
+    def __call__(self, name: str) -> np.ndarray:
+        import ml_dtypes
+
+        dtypes = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F32": np.float32, "BF16": ml_dtypes.bfloat16,
+                  "F16": np.float16}
+        info = self.header[name]
         if info["dtype"] not in dtypes:
-            raise CheckpointError(f"tensor {name!r} in {Path(file).name} has dtype {info['dtype']}, not one of "
+            raise CheckpointError(f"tensor {name!r} in {self.file.name} has dtype {info['dtype']}, not one of "
                                   f"{sorted(dtypes)}")
         start, end = info["data_offsets"]
-        handle.seek(8 + header_len + start)
-        data = handle.read(end - start)
-    dtype = np.dtype(dtypes[info["dtype"]])
-    count = int(np.prod(info["shape"])) if info["shape"] else 1
-    if len(data) != count * dtype.itemsize:
-        raise CheckpointError(f"tensor {name!r} in {Path(file).name}: {len(data)} bytes for shape {info['shape']}")
-    return np.frombuffer(data, dtype).reshape(info["shape"])
+        with open(self.file, "rb") as handle:
+            handle.seek(self.data_start + start)
+            data = handle.read(end - start)
+        dtype = np.dtype(dtypes[info["dtype"]])
+        count = int(np.prod(info["shape"])) if info["shape"] else 1
+        if len(data) != count * dtype.itemsize:
+            raise CheckpointError(f"tensor {name!r} in {self.file.name}: {len(data)} bytes for shape {info['shape']}")
+        return np.frombuffer(data, dtype).reshape(info["shape"])
 
 
 def scale_name_of(weight_name: str) -> str:

@@ -189,13 +189,16 @@ def fill_params(config: ModelConfig, copies: list[_Copy], dtype: str) -> dict[st
     by_file: dict[Path, list[_Copy]] = {}
     for copy in copies:
         by_file.setdefault(copy.entry.file, []).append(copy)
+    raw: dict[Path, ct.RawTensors] = {}  # FP8 files' tables, read once each
     for file, file_copies in by_file.items():
         try:
             with safe_open(str(file), framework="numpy") as handle:
                 for copy in file_copies:
                     if copy.scale is not None:  # FP8: safetensors' numpy reader has no float8
-                        tensor = ct.dequantized(ct.read_raw_tensor(file, copy.entry.name),
-                                                ct.read_raw_tensor(copy.scale.file, copy.scale.name))
+                        values = raw.setdefault(file, ct.RawTensors(file))(copy.entry.name)
+                        scale_file = copy.scale.file
+                        scale = raw.setdefault(scale_file, ct.RawTensors(scale_file))(copy.scale.name)
+                        tensor = ct.dequantized(values, scale)
                     else:
                         tensor = handle.get_tensor(copy.entry.name)
                     if copy.transpose:
