@@ -45,6 +45,7 @@ from roofline import device_time, read_ceiling, time_fn  # noqa: E402
 
 from shiftjax.kernels import fp8_gemm  # noqa: E402
 from shiftjax.kernels import fp8_gemm_mosaic as mosaic  # noqa: E402
+from shiftjax.kernels import fp8_gemm_triton as triton  # noqa: E402
 
 SHAPES = {  # name -> (n, k) of the weight [n, k]
     "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
@@ -78,11 +79,7 @@ def make_weights(n: int, k: int, copies: int, seed: int):
     return [one(k_) for k_ in jax.random.split(key, copies)]
 
 
-def xla_w8a8(x, values, scale):
-    """XLA's w8a8: quantize_rows, an e4m3 x e4m3 dot with float32 output, the scales."""
-    xq, x_scale = fp8_gemm.quantize_rows(x)
-    acc = jax.lax.dot_general(xq, values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return (acc * x_scale[:, None] * scale[None, :]).astype(x.dtype)
+xla_w8a8 = fp8_gemm.w8a8_matmul_cublas  # quantize_rows, an e4m3 x e4m3 dot with float32 output, the scales
 
 
 def bf16_dot(x, w, scale):
@@ -106,6 +103,49 @@ def implementations(m: int, kernel_configs: dict) -> dict:
         impls["mosaic_w8a16"] = (lambda x, v, s, c=cfg: mosaic.w8a16_matmul(x, v, s, c), False, "w8a16")
     cfg = kernel_configs.get("w8a8")
     impls["mosaic_w8a8"] = (lambda x, v, s, c=cfg: mosaic.w8a8_matmul(x, v, s, c), False, "w8a8")
+    return impls
+
+
+def _split_for(n: int, k: int, rows: int, block_k: int, programs: int = 264) -> int:
+    """Split-K until ``programs`` programs (or pieces shorter than 4 steps)."""
+    split = 1
+    while (n // rows) * split < programs and k % (block_k * split * 2) == 0 and k // (block_k * split * 2) >= 4:
+        split *= 2
+    return split
+
+
+def sweep_implementations(n: int, k: int, m: int) -> dict:
+    """--sweep: XLA's bf16 and w8a8 rows, then tile variants of both w8a16 kernels (Mosaic
+    GPU and Triton) at decode token counts, or of the w8a8 kernel above 256 tokens."""
+    impls = {"xla_bf16": (bf16_dot, True, None), "xla_w8a8": (xla_w8a8, False, "w8a8")}
+    if jax.default_backend() != "gpu":  # --smoke: the Triton kernel in Pallas's interpreter
+        impls["triton_interpret"] = (lambda x, w, s: triton.w8a16_matmul(x, w, s, interpret=True), False, "w8a16")
+        return impls
+    if m <= W8A16_MAX_M:
+        variants = {
+            "triton_n64_k256_s4": triton.TritonW8A16Config(64, 256, _split_for(n, k, 64, 256), 4, 4),
+            "triton_n128_k256_s3": triton.TritonW8A16Config(128, 256, _split_for(n, k, 128, 256), 4, 3),
+            "triton_n64_k512_s3": triton.TritonW8A16Config(64, 512, _split_for(n, k, 64, 512), 4, 3),
+            "triton_n128_k128_s5_w8": triton.TritonW8A16Config(128, 128, _split_for(n, k, 128, 128), 8, 5),
+        }
+        for v, c in variants.items():
+            impls[v] = (lambda x, w, s, c=c: triton.w8a16_matmul(x, w, s, c), False, "w8a16")
+        mosaic_variants = {
+            "mosaic_default": None,
+            "mosaic_t128_k256_s4": mosaic.W8A16Config(128, 256, 4, _split_for(n, k, 128, 256)),
+        }
+        for v, c in mosaic_variants.items():
+            impls[v] = (lambda x, w, s, c=c: mosaic.w8a16_matmul(x, w, s, c), False, "w8a16")
+    else:
+        variants = {
+            "mosaic_w8a8_default": None,
+            "mosaic_w8a8_ws_128x256x128_s3": mosaic.W8A8Config(128, 256, 128, 3, True),
+            "mosaic_w8a8_ws_64x256x128_s4": mosaic.W8A8Config(64, 256, 128, 4, True),
+            "mosaic_w8a8_ws_128x128x256_s2": mosaic.W8A8Config(128, 128, 256, 2, True),
+            "mosaic_w8a8_ws_128x192x128_s3": mosaic.W8A8Config(128, 192, 128, 3, True),
+        }
+        for v, c in variants.items():
+            impls[v] = (lambda x, w, s, c=c: mosaic.w8a8_matmul(x, w, s, c), False, "w8a8")
     return impls
 
 
@@ -138,7 +178,7 @@ def compile_all(jobs: dict) -> dict:
         return dict(pool.map(build, jobs.items()))
 
 
-def bench_shape(name, n, k, ms, kernel_configs_for, log) -> list[dict]:
+def bench_shape(name, n, k, ms, kernel_configs_for, log, impls_for=None) -> list[dict]:
     copies = copies_for(n, k)
     weights = make_weights(n, k, copies, seed=hash(name) % 1000)
     rows = []
@@ -146,7 +186,7 @@ def bench_shape(name, n, k, ms, kernel_configs_for, log) -> list[dict]:
         xs = [jax.random.normal(jax.random.key(1000 + m + i), (m, k), jnp.bfloat16) for i in range(copies)]
         refs = {"w8a16": fp8_gemm.w8a16_matmul_reference(xs[0], weights[0][0], weights[0][1]),
                 "w8a8": fp8_gemm.w8a8_matmul_reference(xs[0], weights[0][0], weights[0][1])}
-        impls = implementations(m, kernel_configs_for(n, k, m))
+        impls = impls_for(n, k, m) if impls_for else implementations(m, kernel_configs_for(n, k, m))
         jobs = {}
         for impl, (fn, bf16w, _) in impls.items():
             ws = [w[2] if bf16w else w[0] for w in weights]
@@ -290,6 +330,9 @@ def main():
     parser.add_argument("--stream-gib", type=float, default=2.0)
     parser.add_argument("--fp8-n", type=int, default=8192, help="size of the FP8 rate's square dot")
     parser.add_argument("--smoke", action="store_true", help="the CPU: the smoke shape, m = 16, small ceilings")
+    parser.add_argument("--sweep", action="store_true",
+                        help="tile variants of the kernels (sweep_implementations) instead of the defaults")
+    parser.add_argument("--deadline-s", type=float, default=0, help="stop before a shape once this many seconds have passed")
     args = parser.parse_args()
     if args.smoke:
         args.shapes, args.ms, args.stream_gib, args.fp8_n = "smoke", "16", 1 / 64, 256
@@ -317,18 +360,23 @@ def main():
     else:
         rows = []
         for name in args.shapes.split(","):
+            if args.deadline_s and time.time() - started > args.deadline_s:
+                log(f"deadline: {name} and later shapes not run")
+                break
             n, k = SHAPES[name]
             rows += bench_shape(name, n, k, [int(m) for m in args.ms.split(",")],
-                                lambda n, k, m: {"w8a16": None, "w8a8": None}, log)
+                                lambda n, k, m: {"w8a16": None, "w8a8": None}, log,
+                                impls_for=sweep_implementations if args.sweep else None)
             finish_rows(rows, rate, stream)
             result["rows"] = rows
             with open(json_path, "w") as f:  # after each shape: a call cut short keeps its rows
                 json.dump(result, f, indent=1, default=str)
-        failed = any(row.get("ok") is False or ("error" in row and row["impl"].startswith("mosaic")) for row in rows)
+        failed = any(row.get("ok") is False or ("error" in row and row["impl"].startswith(("mosaic", "triton")))
+                     for row in rows)
         result["configs"] = {f"{r['shape']}.m{r['m']}": {
             "w8a16": dataclasses.asdict(mosaic.w8a16_config(r["n"], r["k"], r["m"])),
             "w8a8": dataclasses.asdict(mosaic.w8a8_config(r["n"], r["k"], r["m"]))} for r in rows}
-        log(summary(rows))
+        log(sweep_summary(rows) if args.sweep else summary(rows))
     result["seconds"] = time.time() - started
     with open(json_path, "w") as f:
         json.dump(result, f, indent=1, default=str)
@@ -368,6 +416,26 @@ def summary(rows) -> str:
             f" {impls.get('mosaic_w8a16', {}).get('stream_fraction', 0):8.2f}"
             f" {impls.get('mosaic_w8a8', {}).get('fp8_fraction', 0):7.2f}"
             f" {(bf / w16 if w16 and bf else 0):11.2f} {(bf / w8 if w8 and bf else 0):10.2f}")
+    return "\n".join(lines)
+
+
+def sweep_summary(rows) -> str:
+    """Per shape and m, fastest first: us, the fraction of the stream (weight bytes) and of
+    the FP8 rate, and the time over XLA's bf16 GEMM."""
+    table = {}
+    for r in rows:
+        table.setdefault((r["shape"], r["m"]), []).append(r)
+    lines = []
+    for (shape, m), impls in table.items():
+        bf = next((r.get("us") for r in impls if r["impl"] == "xla_bf16"), None)
+        lines.append(f"{shape} m={m}")
+        for r in sorted(impls, key=lambda r: r.get("us", float("inf"))):
+            if "us" not in r:
+                lines.append(f"    {r['impl']:30s} {r.get('error', '?')[:150]}")
+                continue
+            lines.append(f"    {r['impl']:30s} {r['us']:8.1f} us  stream {r.get('stream_fraction', 0):5.2f}"
+                         f"  fp8 rate {r.get('fp8_fraction', 0):5.2f}  over bf16 {r['us'] / bf if bf else 0:5.2f}"
+                         f"  err {r.get('rel_err', float('nan')):.1e}")
     return "\n".join(lines)
 
 

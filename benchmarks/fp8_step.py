@@ -7,7 +7,10 @@ over repeated donated calls after a warm-up:
   of 1,024 tokens; the 64-sequence step also with an FP8 KV cache;
 - prefill of one 4,096-token prompt (TTFT's device part);
 - the read-only stream rate measured in the same run, and each decode step's weight floor
-  (the weight bytes it reads over that rate).
+  (the weight bytes it reads over that rate);
+- ``--w8a16``: the decode steps again with the w8a16 algorithm on the Triton and on the
+  Mosaic GPU kernel (``Fp8GemmChoice(w8a16_max_tokens=64, ...)``) in place of the default
+  (w8a8, cuBLASLt's FP8 GEMM at decode sizes).
 
     python3 -P benchmarks/fp8_step.py --out DIR          # the H200 (via benchmarks/gpu_env.sh)
 """
@@ -31,6 +34,7 @@ from shiftjax.batch import empty_batch
 from shiftjax.cache import CacheConfig, allocate_cache
 from shiftjax.checkpoints.dummy import dummy_weights
 from shiftjax.config import ModelConfig
+from shiftjax.kernels.fp8_gemm import DEFAULT_CHOICE, Fp8GemmChoice
 from shiftjax.layouts.mesh import make_mesh
 from shiftjax.step_options import StepOptions
 from shiftjax.steps import make_step
@@ -73,6 +77,7 @@ def main():
     parser.add_argument("--attention", default="pallas", help="reference: the CPU check of this script")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--fp8-kv", action="store_true", help="also the 64-sequence decode over an FP8 cache")
+    parser.add_argument("--w8a16", action="store_true", help="also the decode steps with the w8a16 kernels")
     parser.add_argument("--smoke", action="store_true",
                         help="the CPU: the default model's shape, 2 layers, short contexts, the reference attention")
     parser.add_argument("--out", type=Path, required=True)
@@ -83,7 +88,7 @@ def main():
         from shiftjax.checkpoints.default_model import default_model_path
 
         config = dataclasses.replace(ModelConfig.from_json_file(default_model_path() / "config.json"), num_layers=2)
-        args.attention, args.iterations, args.fp8_kv = "reference", 2, True
+        args.attention, args.iterations, args.fp8_kv, args.w8a16 = "reference", 2, True, True
         cases = {"decode_1": (16, 1, 64, 1), "decode_64": (16, 4, 64, 1), "prefill_4096": (64, 1, 0, 64)}
     else:
         config = dataclasses.replace(ModelConfig.from_json_file(CONFIG), num_layers=args.layers)
@@ -94,11 +99,20 @@ def main():
     print("stream", result["stream_bytes_per_s"], flush=True)
     options = StepOptions(attention=args.attention, layer_loop="unrolled", sample_in_step=False)
     chosen = args.cases.split(",")
-    variants = (("bf16", "none", "bfloat16", tuple(CASES)), ("fp8", "fp8", "bfloat16", tuple(CASES)),
-                ("fp8_kv", "fp8", "float8_e4m3fn", ("decode_64",)))[:3 if args.fp8_kv else 2]
-    for name, quantization, cache_dtype, cases_of in variants:
-        weights = dummy_weights(config, mesh=mesh, dtype="bfloat16", quantization=quantization)
-        step = make_step(weights, "tp", options)
+    decode = ("decode_1", "decode_64")
+    variants = [("bf16", "none", "bfloat16", tuple(CASES), DEFAULT_CHOICE),
+                ("fp8", "fp8", "bfloat16", tuple(CASES), DEFAULT_CHOICE)]
+    if args.fp8_kv:
+        variants.append(("fp8_kv", "fp8", "float8_e4m3fn", ("decode_64",), DEFAULT_CHOICE))
+    if args.w8a16:
+        variants += [(f"fp8_w8a16_{kernel}", "fp8", "bfloat16", decode,
+                      Fp8GemmChoice(w8a16_max_tokens=64, w8a16_kernel=kernel)) for kernel in ("triton", "mosaic")]
+    weights = None
+    for name, quantization, cache_dtype, cases_of, fp8_gemm in variants:
+        if weights is None or weights.quantization != quantization:
+            weights = None  # the previous variant's weights go before the next are made
+            weights = dummy_weights(config, mesh=mesh, dtype="bfloat16", quantization=quantization)
+        step = make_step(weights, "tp", dataclasses.replace(options, fp8_gemm=fp8_gemm))
         for case in [c for c in cases_of if c in chosen]:
             tokens, seqs, context, new = cases[case]
             max_pages = -(-(context + new) // PAGE)
@@ -132,7 +146,7 @@ def main():
             result["runs"][key] = run
             print(key, json.dumps(run), flush=True)
             (args.out / "fp8_step.json").write_text(json.dumps(result, indent=1))
-        del weights, step
+        del step
 
 
 if __name__ == "__main__":

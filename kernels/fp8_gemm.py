@@ -14,7 +14,8 @@ step's token count (the same for TP and SP mode, so both modes do the same arith
 
 Both accumulate in float32 and round once, to bf16, after the scales. Implementations
 behind :func:`fp8_matmul`: ``"reference"`` (XLA, any backend: the oracle and the CPU path)
-and ``"pallas"`` (Pallas Mosaic GPU kernels, Hopper).
+and ``"pallas"`` (Hopper: the Pallas kernels of ``fp8_gemm_mosaic`` and ``fp8_gemm_triton``,
+and XLA's cuBLASLt FP8 GEMM where :class:`Fp8GemmChoice` says it was measured faster).
 """
 
 from __future__ import annotations
@@ -31,14 +32,38 @@ ALGORITHMS = ("w8a16", "w8a8")
 _IMPLEMENTATIONS = ("reference", "pallas")
 
 
+W8A16_KERNELS = ("triton", "mosaic")
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8GemmChoice:
-    """Which algorithm a step of ``tokens`` tokens (all devices' rows, before SP splits
-    them) uses: ``w8a16`` up to ``w8a16_max_tokens``, ``w8a8`` above. 64: on the H200 the
-    Mosaic kernels at n = k = 4096 took 17.8 us (w8a16) against 20.5 us (w8a8) at 64
-    tokens and 42.3 against 28.7 us at 256 (benchmarks/results/fp8_h200/gemm/)."""
+    """Which algorithm a step of ``tokens`` tokens uses, and which GPU kernel runs it.
 
-    w8a16_max_tokens: int = 64
+    The algorithm is chosen from the step's token count (all devices' rows, before SP splits
+    them), so TP and SP mode do the same arithmetic: ``w8a16`` up to ``w8a16_max_tokens``,
+    ``w8a8`` above. The kernel (``implementation="pallas"``) is chosen from the rows of the
+    GEMM itself, which changes only the order of float32 additions: ``w8a16`` runs the
+    ``w8a16_kernel`` Pallas kernel (Triton or Mosaic GPU); ``w8a8`` of at most
+    ``cublas_max_rows`` rows runs as XLA's e4m3 dot (cuBLASLt's FP8 GEMM), above that the
+    Mosaic GPU kernel.
+
+    The defaults are the H200's measurements (benchmarks/results/fp8_h200/sweep/, every
+    Llama-3.1-8B and -70B projection): at 16 and 64 tokens cuBLASLt's FP8 GEMM, with the
+    activations quantized per token, was the fastest at 15 of the 16 points (0.55-0.87x of
+    bf16; the Triton w8a16 kernel took 0.83-1.98x, the Mosaic one 0.59-1.16x); at 4,096 the
+    Mosaic w8a8 kernel took 0.64-0.69x of bf16 on three projections and cuBLASLt 0.60x on
+    the fourth (gate|up, 2% ahead of Mosaic). So decode is w8a8 as well."""
+
+    w8a16_max_tokens: int = 0
+    w8a16_kernel: str = "triton"
+    cublas_max_rows: int = 64
+
+    def __post_init__(self):
+        if self.w8a16_max_tokens < 0 or self.cublas_max_rows < 0:
+            raise ValueError(f"Fp8GemmChoice.w8a16_max_tokens and cublas_max_rows must be >= 0, got {self}")
+        if self.w8a16_kernel not in W8A16_KERNELS:
+            raise ValueError(f"Fp8GemmChoice.w8a16_kernel must be one of {', '.join(W8A16_KERNELS)}, "
+                             f"got {self.w8a16_kernel!r}")
 
     def algorithm(self, tokens: int) -> str:
         return "w8a16" if tokens <= self.w8a16_max_tokens else "w8a8"
@@ -89,6 +114,16 @@ def w8a8_matmul_reference(
     return acc.astype(x.dtype)
 
 
+def w8a8_matmul_cublas(
+    x: Float[Array, "m k"], values: Float[Array, "n k"], scale: Float[Array, "n"]
+) -> Float[Array, "m n"]:
+    """``w8a8`` as XLA's e4m3 x e4m3 dot with a float32 result (cuBLASLt's FP8 GEMM on
+    Hopper), the scales applied to the float32 product, rounded once to ``x.dtype``."""
+    xq, x_scale = quantize_rows(x)
+    acc = jax.lax.dot_general(xq, values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (acc * x_scale[:, None] * scale[None, :]).astype(x.dtype)
+
+
 def fp8_matmul(
     x: Float[Array, "m k"],
     values: Float[Array, "n k"],
@@ -96,9 +131,11 @@ def fp8_matmul(
     *,
     algorithm: str,
     implementation: str = "reference",
+    choice: Fp8GemmChoice = DEFAULT_CHOICE,
 ) -> Float[Array, "m n"]:
     """``x @ w.T`` for the quantized weight ``w ~= values * scale[:, None]`` by
-    ``algorithm`` (``w8a16`` or ``w8a8``) and ``implementation``."""
+    ``algorithm`` (``w8a16`` or ``w8a8``) and ``implementation``: the XLA ``reference``,
+    or ``pallas``, the GPU kernels ``choice`` picks for this many rows."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
     if implementation not in _IMPLEMENTATIONS:
@@ -106,10 +143,13 @@ def fp8_matmul(
     if implementation == "reference":
         reference = w8a16_matmul_reference if algorithm == "w8a16" else w8a8_matmul_reference
         return reference(x, values, scale)
-    from . import fp8_gemm_mosaic  # Mosaic GPU lowering only when asked
+    from . import fp8_gemm_mosaic, fp8_gemm_triton  # GPU lowerings only when asked
 
     if algorithm == "w8a16":
-        return fp8_gemm_mosaic.w8a16_matmul(x, values, scale)
+        kernel = fp8_gemm_triton if choice.w8a16_kernel == "triton" else fp8_gemm_mosaic
+        return kernel.w8a16_matmul(x, values, scale)
+    if x.shape[0] <= choice.cublas_max_rows:
+        return w8a8_matmul_cublas(x, values, scale)
     return fp8_gemm_mosaic.w8a8_matmul(x, values, scale)
 
 

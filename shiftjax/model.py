@@ -26,7 +26,7 @@ from jaxtyping import Array, Float
 from shiftjax.batch import StepBatch
 from shiftjax.kernels import AttentionMetadata, apply_rope, ragged_paged_attention, write_qkv_to_cache
 from shiftjax.kernels.collectives import all_reduce, all_to_all, psum_reference
-from shiftjax.kernels.fp8_gemm import DEFAULT_CHOICE, fp8_matmul
+from shiftjax.kernels.fp8_gemm import DEFAULT_CHOICE, Fp8GemmChoice, fp8_matmul
 from shiftjax.layouts.mesh import HEAD_AXES, SP, TP
 from shiftjax.quantization import Fp8Weight
 from shiftjax.weights import LayerWeights, LocalDims
@@ -49,7 +49,7 @@ class Context:
 
     def __init__(self, dims: LocalDims, eps: float, inv_freq, batch: StepBatch, attention: str,
                  all_reduce: str = "xla", all_to_all: str = "xla", first_ordinal: int | None = None,
-                 quantized_gemm: str = "reference"):
+                 quantized_gemm: str = "reference", fp8_gemm: Fp8GemmChoice = DEFAULT_CHOICE):
         self.dims = dims
         self.eps = eps
         self.inv_freq = inv_freq
@@ -59,9 +59,10 @@ class Context:
         self.all_to_all = all_to_all  # kernels.collectives.ALL_TO_ALLS: who does SP mode's exchanges
         self.first_ordinal = first_ordinal  # the mesh's first CUDA device (the exchange kernels' ranks)
         self.quantized_gemm = quantized_gemm  # kernels.fp8_gemm's implementation for Fp8Weight GEMMs
+        self.fp8_gemm = fp8_gemm  # and the kernel it picks for a GEMM's rows
         # Chosen from the step's token count, which both modes share (SP mode's devices each
         # multiply a slice of it), so both modes quantize the same activations the same way.
-        self.fp8_algorithm = DEFAULT_CHOICE.algorithm(batch.token_ids.shape[0])
+        self.fp8_algorithm = fp8_gemm.algorithm(batch.token_ids.shape[0])
 
     @property
     def metadata(self) -> AttentionMetadata:
@@ -141,7 +142,7 @@ def matmul(x: Float[Array, "tokens k"], weight, ctx: Context) -> Float[Array, "t
     ``kernels.fp8_gemm`` with the step's algorithm."""
     if isinstance(weight, Fp8Weight):
         return fp8_matmul(x, weight.values[0], weight.scale[0], algorithm=ctx.fp8_algorithm,
-                          implementation=ctx.quantized_gemm)
+                          implementation=ctx.quantized_gemm, choice=ctx.fp8_gemm)
     return x @ weight[0]
 
 

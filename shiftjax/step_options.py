@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from shiftjax.kernels.collectives import ALL_REDUCES, ALL_TO_ALLS
+from shiftjax.kernels.fp8_gemm import DEFAULT_CHOICE, Fp8GemmChoice
 
 ATTENTIONS = ("reference", "pallas", "auto")
 LAYER_LOOPS = ("scan", "unrolled")
@@ -32,6 +33,8 @@ class StepOptions:
       ``reference``, the Mosaic GPU kernels (``pallas``), or ``auto``: the kernels where
       every device of the mesh is a Hopper GPU (sm_90, what they are written and measured
       for), the reference elsewhere (the CPU, and GPUs they were not tried on).
+    - ``fp8_gemm``: which algorithm (by the step's token count) and which GPU kernel (by the
+      GEMM's rows) multiply FP8 weights (``kernels.fp8_gemm.Fp8GemmChoice``).
     - ``xla_options``: more XLA options for every step, as ``(name, value)`` pairs (a
       benchmark's variant; the engine adds none).
     """
@@ -45,6 +48,7 @@ class StepOptions:
     all_reduce: str = "xla"
     all_to_all: str = "xla"
     quantized_gemm: str = "auto"
+    fp8_gemm: Fp8GemmChoice = DEFAULT_CHOICE
     xla_options: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self):

@@ -86,7 +86,7 @@ def make_step(weights: ModelWeights, mode: Mode, options: StepOptions = StepOpti
     def local_step(param_leaves, k_cache, v_cache, batch: StepBatch):
         params: ShardedParams = param_tree.unflatten(param_leaves)
         ctx = Context(dims, config.rms_norm_eps, jnp.asarray(inv_freq, jnp.float32), batch, attention, all_reduce,
-                      all_to_all, first_ordinal_of(mesh), quantized_gemm)
+                      all_to_all, first_ordinal_of(mesh), quantized_gemm, options.fp8_gemm)
         x = embed_tokens(batch.token_ids, params.embed, dims)
         if mode == "sp":
             local_tokens = x.shape[0] // dims.sp

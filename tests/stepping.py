@@ -7,6 +7,8 @@ decode steps of both, with shuffled pages and padding tokens and sequences.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,7 +63,8 @@ def build_batch(step, seq_lens_before, num_tokens: int = 16, num_seqs: int = 4):
 
 
 def run_scenario(params, config, sp: int, tp: int, runs: dict[str, list[str]], *,
-                 storage="aliased", cache_dtype="float32", layer_loop="scan", quantization="none"):
+                 storage="aliased", cache_dtype="float32", layer_loop="scan", quantization="none",
+                 fp8_gemm=None):
     """Runs the scenario once per entry of ``runs`` (name -> modes, cycled step by step),
     each with fresh caches, all on one expansion of the weights.
 
@@ -71,7 +74,10 @@ def run_scenario(params, config, sp: int, tp: int, runs: dict[str, list[str]], *
     mesh = make_mesh(sp, tp)
     weights = shard_params(params, config, mesh, storage, quantization)
     modes_used = {mode for modes in runs.values() for mode in modes}
-    steps = {mode: make_step(weights, mode, StepOptions(attention="reference", layer_loop=layer_loop), return_logits=True)
+    options = StepOptions(attention="reference", layer_loop=layer_loop)
+    if fp8_gemm is not None:
+        options = dataclasses.replace(options, fp8_gemm=fp8_gemm)
+    steps = {mode: make_step(weights, mode, options, return_logits=True)
              for mode in modes_used}
     results = {}
     for name, modes in runs.items():

@@ -11,6 +11,7 @@ import pytest
 
 from shiftjax.kernels import fp8_gemm
 from shiftjax.kernels import fp8_gemm_mosaic as mosaic
+from shiftjax.kernels import fp8_gemm_triton as triton
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -86,8 +87,22 @@ def test_f16_rows_are_exact_for_bf16_inputs():
 def test_algorithm_choice():
     choice = fp8_gemm.Fp8GemmChoice(w8a16_max_tokens=64)
     assert [choice.algorithm(t) for t in (1, 16, 64, 65, 256, 4096)] == ["w8a16"] * 3 + ["w8a8"] * 3
-    default = fp8_gemm.DEFAULT_CHOICE
-    assert default.algorithm(1) == "w8a16" and default.algorithm(4096) == "w8a8"
+    default = fp8_gemm.DEFAULT_CHOICE  # measured: cuBLASLt's FP8 GEMM beats both w8a16 kernels at decode
+    assert default.algorithm(1) == "w8a8" and default.algorithm(4096) == "w8a8"
+    with pytest.raises(ValueError, match="w8a16_kernel must be one of triton, mosaic, got 'cuda'"):
+        fp8_gemm.Fp8GemmChoice(w8a16_kernel="cuda")
+    with pytest.raises(ValueError, match="cublas_max_rows must be >= 0"):
+        fp8_gemm.Fp8GemmChoice(cublas_max_rows=-1)
+
+
+def test_cublas_w8a8_matches_the_reference():
+    """The decode GEMM picked for few rows (XLA's e4m3 dot: cuBLASLt on Hopper; the CPU
+    runs it too): the same products as the reference, scaled after the dot."""
+    values, scale = _weight(256, 512, 24)
+    x = _x(16, 512, 25)
+    out = fp8_gemm.fp8_matmul(x, values, scale, algorithm="w8a8", implementation="pallas")
+    np.testing.assert_array_equal(_f64(out), _f64(fp8_gemm.w8a8_matmul_cublas(x, values, scale)))
+    _check(out, fp8_gemm.w8a8_matmul_reference(x, values, scale))
 
 
 def test_bad_algorithm_and_implementation_are_sentences():
@@ -126,6 +141,37 @@ def test_undivided_shapes_fall_back_to_the_reference():
                                   _f64(fp8_gemm.w8a16_matmul_reference(x, values, scale)))
     np.testing.assert_array_equal(_f64(mosaic.w8a8_matmul(x, values, scale)),
                                   _f64(fp8_gemm.w8a8_matmul_reference(x, values, scale)))
+
+
+@pytest.mark.parametrize("m,config", [
+    (16, triton.TritonW8A16Config(64, 128, 1)),   # one piece: the program scales and writes bf16
+    (5, triton.TritonW8A16Config(64, 128, 2)),    # split-K partials, m padded to 16
+    (40, triton.TritonW8A16Config(128, 64, 4, num_warps=8, num_stages=2)),
+])
+def test_triton_w8a16_kernel_in_the_interpreter(m, config):
+    """The Triton kernel's own code (Pallas's interpreter on the CPU) against the
+    reference: the same products summed in float32 in another order."""
+    values, scale = _weight(256, 512, 20)
+    x = _x(m, 512, 21)
+    out = triton.w8a16_matmul(x, values, scale, config, interpret=True)
+    assert out.shape == (m, 256) and out.dtype == jnp.bfloat16
+    _check(out, fp8_gemm.w8a16_matmul_reference(x, values, scale))
+
+
+def test_triton_config_refuses_bad_blocks_and_falls_back_on_undivided_shapes():
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        triton.TritonW8A16Config(block_n=96)
+    with pytest.raises(ValueError, match="split_k, num_warps and num_stages must be >= 1"):
+        triton.TritonW8A16Config(split_k=0)
+    values, scale = _weight(100, 256, 22)
+    x = _x(3, 256, 23)
+    np.testing.assert_array_equal(_f64(triton.w8a16_matmul(x, values, scale, interpret=True)),
+                                  _f64(fp8_gemm.w8a16_matmul_reference(x, values, scale)))
+
+
+def test_triton_config_splits_k_for_few_rows():
+    assert triton.triton_w8a16_config(4096, 4096, 16).split_k == 4   # 64 blocks: 4 pieces of 4 steps
+    assert triton.triton_w8a16_config(28672, 4096, 16).split_k == 1  # 448 blocks fill 132 SMs
 
 
 # ------------------------------------------------------------------------------- GPU
@@ -173,6 +219,18 @@ def test_w8a16_kernel_configs(config):
     values, scale = _weight(2048, 4096, 12)
     x = _x(16, 4096, 13)
     out = jax.jit(lambda x, v, s: mosaic.w8a16_matmul(x, v, s, config))(x, values, scale)
+    _check(out, fp8_gemm.w8a16_matmul_reference(x, values, scale))
+
+
+@pytest.mark.parametrize("n,k", GPU_SHAPES)
+@pytest.mark.parametrize("m", [1, 7, 64, 200])
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (Hopper)")
+def test_triton_w8a16_kernel_matches_reference(n, k, m):
+    values, scale = _weight(n, k, n + k + 2)
+    x = _x(m, k, m + 2)
+    out = jax.jit(triton.w8a16_matmul)(x, values, scale)
+    assert out.shape == (m, n) and out.dtype == jnp.bfloat16
     _check(out, fp8_gemm.w8a16_matmul_reference(x, values, scale))
 
 

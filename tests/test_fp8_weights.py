@@ -15,7 +15,6 @@ from hf_tiny import make_tiny_hf_checkpoint
 from stepping import run_scenario
 from test_invariance import CONFIG
 
-import shiftjax.model as model_module
 from shiftjax.checkpoints.convert import convert_hf_checkpoint
 from shiftjax.checkpoints.format import CheckpointError, read_marker
 from shiftjax.checkpoints.load import restore_weights
@@ -32,10 +31,10 @@ def params():
 
 
 @pytest.mark.parametrize("algorithm_cut", [64, 0], ids=["w8a16", "w8a8"])
-def test_tp_sp_and_alternate_give_identical_fp8_logits_and_pages(params, algorithm_cut, monkeypatch):
-    monkeypatch.setattr(model_module, "DEFAULT_CHOICE", Fp8GemmChoice(w8a16_max_tokens=algorithm_cut))
+def test_tp_sp_and_alternate_give_identical_fp8_logits_and_pages(params, algorithm_cut):
     runs = {"tp": ["tp"], "sp": ["sp"], "alternate": ["tp", "sp"], "alternate_sp_first": ["sp", "tp"]}
-    results, weights = run_scenario(params, CONFIG, 2, 2, runs, quantization="fp8")
+    results, weights = run_scenario(params, CONFIG, 2, 2, runs, quantization="fp8",
+                                    fp8_gemm=Fp8GemmChoice(w8a16_max_tokens=algorithm_cut))
     assert isinstance(weights.tp.layers.w_down, Fp8Weight) and weights.tp.layers.w_down.values.dtype == jnp.float8_e4m3fn
     want_logits, want_caches = results["tp"]
     for name, (logits, caches) in results.items():
