@@ -32,6 +32,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -127,6 +128,9 @@ def sweep_implementations(n: int, k: int, m: int) -> dict:
             "triton_n128_k256_s3": triton.TritonW8A16Config(128, 256, _split_for(n, k, 128, 256), 4, 3),
             "triton_n64_k512_s3": triton.TritonW8A16Config(64, 512, _split_for(n, k, 64, 512), 4, 3),
             "triton_n128_k128_s5_w8": triton.TritonW8A16Config(128, 128, _split_for(n, k, 128, 128), 8, 5),
+            "triton_n256_k64_s4_w8": triton.TritonW8A16Config(256, 64, _split_for(n, k, 256, 64), 8, 4),
+            "triton_n256_k128_s3_w8": triton.TritonW8A16Config(256, 128, _split_for(n, k, 256, 128), 8, 3),
+            "triton_n128_k64_s4": triton.TritonW8A16Config(128, 64, _split_for(n, k, 128, 64), 4, 4),
         }
         for v, c in variants.items():
             impls[v] = (lambda x, w, s, c=c: triton.w8a16_matmul(x, w, s, c), False, "w8a16")
@@ -178,7 +182,7 @@ def compile_all(jobs: dict) -> dict:
         return dict(pool.map(build, jobs.items()))
 
 
-def bench_shape(name, n, k, ms, kernel_configs_for, log, impls_for=None) -> list[dict]:
+def bench_shape(name, n, k, ms, kernel_configs_for, log, impls_for=None, only: str = "") -> list[dict]:
     copies = copies_for(n, k)
     weights = make_weights(n, k, copies, seed=hash(name) % 1000)
     rows = []
@@ -187,6 +191,8 @@ def bench_shape(name, n, k, ms, kernel_configs_for, log, impls_for=None) -> list
         refs = {"w8a16": fp8_gemm.w8a16_matmul_reference(xs[0], weights[0][0], weights[0][1]),
                 "w8a8": fp8_gemm.w8a8_matmul_reference(xs[0], weights[0][0], weights[0][1])}
         impls = impls_for(n, k, m) if impls_for else implementations(m, kernel_configs_for(n, k, m))
+        if only:
+            impls = {name: impl for name, impl in impls.items() if re.search(only, name)}
         jobs = {}
         for impl, (fn, bf16w, _) in impls.items():
             ws = [w[2] if bf16w else w[0] for w in weights]
@@ -332,6 +338,7 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="the CPU: the smoke shape, m = 16, small ceilings")
     parser.add_argument("--sweep", action="store_true",
                         help="tile variants of the kernels (sweep_implementations) instead of the defaults")
+    parser.add_argument("--only", default="", help="a regular expression: run only the implementations it finds")
     parser.add_argument("--deadline-s", type=float, default=0, help="stop before a shape once this many seconds have passed")
     args = parser.parse_args()
     if args.smoke:
@@ -366,7 +373,7 @@ def main():
             n, k = SHAPES[name]
             rows += bench_shape(name, n, k, [int(m) for m in args.ms.split(",")],
                                 lambda n, k, m: {"w8a16": None, "w8a8": None}, log,
-                                impls_for=sweep_implementations if args.sweep else None)
+                                impls_for=sweep_implementations if args.sweep else None, only=args.only)
             finish_rows(rows, rate, stream)
             result["rows"] = rows
             with open(json_path, "w") as f:  # after each shape: a call cut short keeps its rows

@@ -24,7 +24,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
@@ -47,14 +47,13 @@ class Fp8GemmChoice:
     ``cublas_max_rows`` rows runs as XLA's e4m3 dot (cuBLASLt's FP8 GEMM), above that the
     Mosaic GPU kernel.
 
-    The defaults are the H200's measurements (benchmarks/results/fp8_h200/sweep/, every
-    Llama-3.1-8B and -70B projection): at 16 and 64 tokens cuBLASLt's FP8 GEMM, with the
-    activations quantized per token, was the fastest at 15 of the 16 points (0.55-0.87x of
-    bf16; the Triton w8a16 kernel took 0.83-1.98x, the Mosaic one 0.59-1.16x); at 4,096 the
-    Mosaic w8a8 kernel took 0.64-0.69x of bf16 on three projections and cuBLASLt 0.60x on
-    the fourth (gate|up, 2% ahead of Mosaic). So decode is w8a8 as well."""
+    The defaults are the H200's measurements (benchmarks/README.md, "FP8 decode"). Alone,
+    cuBLASLt's FP8 GEMM was the fastest decode GEMM (benchmarks/results/fp8_h200/sweep/);
+    inside an unrolled step every custom call's weight is copied out of the layer stack
+    first, which made every FP8 decode step slower than bf16's, except the Triton kernel's,
+    which reads its layer in place (``layer=``). So decode is ``w8a16`` on Triton."""
 
-    w8a16_max_tokens: int = 0
+    w8a16_max_tokens: int = 64
     w8a16_kernel: str = "triton"
     cublas_max_rows: int = 64
 
@@ -126,28 +125,37 @@ def w8a8_matmul_cublas(
 
 def fp8_matmul(
     x: Float[Array, "m k"],
-    values: Float[Array, "n k"],
-    scale: Float[Array, "n"],
+    values: Float[Array, "*layers n k"],
+    scale: Float[Array, "*layers n"],
     *,
     algorithm: str,
     implementation: str = "reference",
     choice: Fp8GemmChoice = DEFAULT_CHOICE,
+    layer: Int[Array, ""] | None = None,
 ) -> Float[Array, "m n"]:
     """``x @ w.T`` for the quantized weight ``w ~= values * scale[:, None]`` by
     ``algorithm`` (``w8a16`` or ``w8a8``) and ``implementation``: the XLA ``reference``,
-    or ``pallas``, the GPU kernels ``choice`` picks for this many rows."""
+    or ``pallas``, the GPU kernels ``choice`` picks for this many rows. ``layer``:
+    ``values`` and ``scale`` hold every layer, and the product uses this one's; the Triton
+    w8a16 kernel reads it in place, the others take it sliced (a copy on GPUs)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {', '.join(_IMPLEMENTATIONS)}, got {implementation!r}")
+    if implementation == "pallas" and algorithm == "w8a16" and choice.w8a16_kernel == "triton":
+        from . import fp8_gemm_triton  # GPU lowering only when asked
+
+        return fp8_gemm_triton.w8a16_matmul(x, values, scale, layer=layer)
+    if layer is not None:
+        values = jax.lax.dynamic_index_in_dim(values, layer, keepdims=False)
+        scale = jax.lax.dynamic_index_in_dim(scale, layer, keepdims=False)
     if implementation == "reference":
         reference = w8a16_matmul_reference if algorithm == "w8a16" else w8a8_matmul_reference
         return reference(x, values, scale)
-    from . import fp8_gemm_mosaic, fp8_gemm_triton  # GPU lowerings only when asked
+    from . import fp8_gemm_mosaic  # Mosaic GPU lowering only when asked
 
     if algorithm == "w8a16":
-        kernel = fp8_gemm_triton if choice.w8a16_kernel == "triton" else fp8_gemm_mosaic
-        return kernel.w8a16_matmul(x, values, scale)
+        return fp8_gemm_mosaic.w8a16_matmul(x, values, scale)
     if x.shape[0] <= choice.cublas_max_rows:
         return w8a8_matmul_cublas(x, values, scale)
     return fp8_gemm_mosaic.w8a8_matmul(x, values, scale)

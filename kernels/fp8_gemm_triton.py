@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from . import fp8_gemm
 
@@ -68,38 +68,47 @@ def triton_w8a16_config(n: int, k: int, m: int) -> TritonW8A16Config:
     return TritonW8A16Config(block_n=block_n, block_k=block_k, split_k=split)
 
 
-def _kernel(x_ref, w_ref, scale_ref, out_ref, *, block_n: int, block_k: int, steps: int, scaled: bool):
+def _kernel(layer_ref, x_ref, w_ref, scale_ref, out_ref, *, block_n: int, block_k: int, steps: int, scaled: bool):
+    layer = layer_ref[0]
     rows = pl.ds(pl.program_id(0) * block_n, block_n)
     first = pl.program_id(1) * steps
 
     def step(i, acc):
         cols = pl.ds((first + i) * block_k, block_k)
         x = x_ref[:, cols]
-        w = w_ref[rows, cols].astype(x.dtype)
+        w = w_ref[layer, rows, cols].astype(x.dtype)
         return acc + pltriton.dot(x, w, trans_b=True)
 
     acc = lax.fori_loop(0, steps, step, jnp.zeros((x_ref.shape[0], block_n), jnp.float32))
     if scaled:
-        out_ref[...] = (acc * scale_ref[rows][None, :]).astype(out_ref.dtype)
+        out_ref[...] = (acc * scale_ref[layer, rows][None, :]).astype(out_ref.dtype)
     else:
         out_ref[...] = acc
 
 
 def w8a16_matmul(
     x: Float[Array, "m k"],
-    values: Float[Array, "n k"],
-    scale: Float[Array, "n"],
+    values: Float[Array, "*layers n k"],
+    scale: Float[Array, "*layers n"],
     config: TritonW8A16Config | None = None,
     *,
+    layer: Int[Array, ""] | int | None = None,
     interpret: bool = False,
 ) -> Float[Array, "m n"]:
     """``(x @ values.T) * scale`` rounded once to ``x.dtype`` (bf16 activations), by the
-    Triton kernel (the reference where ``config`` does not divide ``n, k``)."""
+    Triton kernel (the reference where ``config`` does not divide ``n, k``).
+
+    ``layer``: ``values`` and ``scale`` are every layer's, stacked, and the kernel reads
+    layer ``layer`` where it lies. A slice taken in XLA instead would be copied out of the
+    stack on every call (a custom call's operand is a buffer of its own): on the H200 that
+    copy made the FP8 decode step slower than bf16's."""
+    if layer is None:
+        values, scale, layer = values[None], scale[None], 0
     m, k = x.shape
-    n = values.shape[0]
+    n = values.shape[1]
     config = config or triton_w8a16_config(n, k, m)
     if not config.divides(n, k):
-        return fp8_gemm.w8a16_matmul_reference(x, values, scale)
+        return fp8_gemm.w8a16_matmul_reference(x, values[layer], scale[layer])
     m_pad = max(_MIN_DOT_M, 1 << (m - 1).bit_length())  # Triton's blocks are powers of two
     x_pad = x if m_pad == m else jnp.pad(x, ((0, m_pad - m), (0, 0)))
     split = config.split_k
@@ -111,13 +120,13 @@ def w8a16_matmul(
     out = pl.pallas_call(
         functools.partial(_kernel, block_n=config.block_n, block_k=config.block_k, steps=steps, scaled=scaled),
         grid=(n // config.block_n, split),
-        in_specs=[pl.no_block_spec] * 3,
+        in_specs=[pl.no_block_spec] * 4,
         out_specs=pl.BlockSpec((None, m_pad, config.block_n), lambda i, s: (s, 0, i)),
         out_shape=jax.ShapeDtypeStruct((split, m_pad, n), out_dtype),
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=stages),
         interpret=interpret,
         name="fp8_w8a16_matmul",
-    )(x_pad, values, scale)
+    )(jnp.asarray(layer, jnp.int32).reshape(1), x_pad, values, scale)
     if scaled:
         return out[0, :m]
-    return (out.sum(axis=0)[:m] * scale[None, :]).astype(x.dtype)
+    return (out.sum(axis=0)[:m] * scale[layer][None, :]).astype(x.dtype)

@@ -17,6 +17,7 @@ GPUs the one-shot kernel, whose bf16(a + b) is psum's bit for bit.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -141,8 +142,13 @@ def matmul(x: Float[Array, "tokens k"], weight, ctx: Context) -> Float[Array, "t
     :class:`~shiftjax.quantization.Fp8Weight` (values ``[1, n, k]``), multiplied by
     ``kernels.fp8_gemm`` with the step's algorithm."""
     if isinstance(weight, Fp8Weight):
-        return fp8_matmul(x, weight.values[0], weight.scale[0], algorithm=ctx.fp8_algorithm,
-                          implementation=ctx.quantized_gemm, choice=ctx.fp8_gemm)
+        values, scale = weight.values, weight.scale
+        if weight.layer is None:  # this layer's [1, n, k]
+            values, scale = values[0], scale[0]
+        else:  # every layer's [layers, 1, n, k]: the block axis is 1 on a device
+            values, scale = values.reshape(values.shape[0], *values.shape[2:]), scale.reshape(scale.shape[0], -1)
+        return fp8_matmul(x, values, scale, algorithm=ctx.fp8_algorithm, implementation=ctx.quantized_gemm,
+                          choice=ctx.fp8_gemm, layer=weight.layer)
     return x @ weight[0]
 
 
@@ -199,6 +205,10 @@ def lm_logits(hidden: Float[Array, "seqs d"], embed, lm_head, dims: LocalDims) -
     return logits[:rows, :dims.vocab_size]  # drop the padding of the last vocabulary block
 
 
+def _is_fp8(node) -> bool:
+    return isinstance(node, Fp8Weight)
+
+
 def run_layers(layer_fn, x, layers: LayerWeights, k_cache, v_cache, ctx: Context, *, unrolled: bool = False):
     """Applies ``layer_fn`` over the stacked layers; the caches are threaded through.
 
@@ -215,12 +225,16 @@ def run_layers(layer_fn, x, layers: LayerWeights, k_cache, v_cache, ctx: Context
         # The layer is traced and lowered once and called num_layers times (XLA inlines the
         # calls, so the program is the same): with every layer's Pallas kernels lowered apart,
         # a 32-layer step took 5.3 s to trace and lower, 0.2 s now (benchmarks/lowering_time.py).
+        # FP8 weights stay stacked, bound to the layer's index: their kernels are custom
+        # calls, whose operands XLA would copy out of the stack (bf16 GEMMs take the slice).
         @jax.jit
         def layer(x, weights, k_cache, v_cache, index, batch):
+            weights = jax.tree.map(lambda w: dataclasses.replace(w, layer=index) if _is_fp8(w) else w,
+                                   weights, is_leaf=_is_fp8)
             return layer_fn(x, weights, k_cache, v_cache, index, ctx.with_batch(batch))
 
         for i in range(num_layers):
-            weights = jax.tree.map(lambda w, i=i: w[i], layers)
+            weights = jax.tree.map(lambda w, i=i: w if _is_fp8(w) else w[i], layers, is_leaf=_is_fp8)
             x, k_cache, v_cache = layer(x, weights, k_cache, v_cache, jnp.int32(i), ctx.batch)
         return x, k_cache, v_cache
 

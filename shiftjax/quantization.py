@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 from jax.sharding import NamedSharding
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from shiftjax.kernels.fp8_gemm import FP8, FP8_MAX
 from shiftjax.pytrees import unchecked_init
@@ -35,10 +35,14 @@ QUANTIZED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")  # the layer GEMMs; th
 @unchecked_init
 @struct.dataclass
 class Fp8Weight:
-    """A GEMM weight ``w[.., k, n] ~= (values * scale[.., :, None]).T`` of one mode's view."""
+    """A GEMM weight ``w[.., k, n] ~= (values * scale[.., :, None]).T`` of one mode's view.
+
+    ``layer``: set inside an unrolled step's layer (``model.run_layers``), where ``values``
+    and ``scale`` are still every layer's and a kernel reads this layer's rows in place."""
 
     values: Float[Array, "*lead n k"]  # float8_e4m3fn
     scale: Float[Array, "*lead n"]  # float32, per output channel
+    layer: Int[Array, ""] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:

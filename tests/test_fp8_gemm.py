@@ -87,8 +87,8 @@ def test_f16_rows_are_exact_for_bf16_inputs():
 def test_algorithm_choice():
     choice = fp8_gemm.Fp8GemmChoice(w8a16_max_tokens=64)
     assert [choice.algorithm(t) for t in (1, 16, 64, 65, 256, 4096)] == ["w8a16"] * 3 + ["w8a8"] * 3
-    default = fp8_gemm.DEFAULT_CHOICE  # measured: cuBLASLt's FP8 GEMM beats both w8a16 kernels at decode
-    assert default.algorithm(1) == "w8a8" and default.algorithm(4096) == "w8a8"
+    default = fp8_gemm.DEFAULT_CHOICE
+    assert default.algorithm(1) == "w8a16" and default.algorithm(4096) == "w8a8"
     with pytest.raises(ValueError, match="w8a16_kernel must be one of triton, mosaic, got 'cuda'"):
         fp8_gemm.Fp8GemmChoice(w8a16_kernel="cuda")
     with pytest.raises(ValueError, match="cublas_max_rows must be >= 0"):
@@ -156,6 +156,21 @@ def test_triton_w8a16_kernel_in_the_interpreter(m, config):
     out = triton.w8a16_matmul(x, values, scale, config, interpret=True)
     assert out.shape == (m, 256) and out.dtype == jnp.bfloat16
     _check(out, fp8_gemm.w8a16_matmul_reference(x, values, scale))
+
+
+def test_triton_w8a16_kernel_reads_a_layer_of_the_stack():
+    """``layer=``: the weights of every layer, stacked; the kernel reads one in place (a
+    traced index, as in an unrolled step)."""
+    stack = [_weight(128, 512, 30 + i) for i in range(3)]
+    values, scale = jnp.stack([v for v, _ in stack]), jnp.stack([s for _, s in stack])
+    x = _x(16, 512, 33)
+    for split in (1, 2):
+        config = triton.TritonW8A16Config(64, 128, split)
+        out = jax.jit(lambda x, v, s, i: triton.w8a16_matmul(x, v, s, config, layer=i, interpret=True))(
+            x, values, scale, jnp.int32(2))
+        _check(out, fp8_gemm.w8a16_matmul_reference(x, *stack[2]))
+    via_dispatch = fp8_gemm.fp8_matmul(x, values, scale, algorithm="w8a8", layer=jnp.int32(1))
+    np.testing.assert_array_equal(_f64(via_dispatch), _f64(fp8_gemm.w8a8_matmul_reference(x, *stack[1])))
 
 
 def test_triton_config_refuses_bad_blocks_and_falls_back_on_undivided_shapes():

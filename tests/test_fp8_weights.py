@@ -49,6 +49,20 @@ def test_tp_sp_and_alternate_give_identical_fp8_logits_and_pages(params, algorit
         assert 1e-4 < error < 0.1, error
 
 
+def test_unrolled_fp8_layers_read_the_stack_in_place_and_equal_the_scan(params):
+    """Unrolled, each layer gets the stacked FP8 weights bound to its index (the GPU kernel
+    reads the layer in place); the scan slices them. Same weights, same logits; and TP and
+    SP mode still agree bit for bit."""
+    runs = {"tp": ["tp"], "alternate": ["tp", "sp"]}
+    choice = Fp8GemmChoice(w8a16_max_tokens=64)
+    unrolled, _ = run_scenario(params, CONFIG, 2, 2, runs, quantization="fp8", layer_loop="unrolled", fp8_gemm=choice)
+    scanned, _ = run_scenario(params, CONFIG, 2, 2, {"tp": ["tp"]}, quantization="fp8", fp8_gemm=choice)
+    for got, want in zip(unrolled["alternate"][0], unrolled["tp"][0]):
+        assert got.tobytes() == want.tobytes()
+    for got, want in zip(unrolled["tp"][0], scanned["tp"][0]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("sp,tp", [(2, 2), (1, 2), (1, 1)])
 def test_aliased_views_hold_one_copy_of_the_fp8_weights(params, sp, tp):
     weights = shard_params(params, CONFIG, make_mesh(sp, tp), "aliased", "fp8")
