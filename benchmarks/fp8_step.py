@@ -36,6 +36,7 @@ from shiftjax.checkpoints.dummy import dummy_weights
 from shiftjax.config import ModelConfig
 from shiftjax.kernels.fp8_gemm import DEFAULT_CHOICE, Fp8GemmChoice
 from shiftjax.layouts.mesh import make_mesh
+from shiftjax.serving.engine.compile import xla_compiler_options
 from shiftjax.step_options import StepOptions
 from shiftjax.steps import make_step
 
@@ -78,6 +79,8 @@ def main():
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--fp8-kv", action="store_true", help="also the 64-sequence decode over an FP8 cache")
     parser.add_argument("--w8a16", action="store_true", help="also the decode steps with the w8a16 kernels")
+    parser.add_argument("--served-options", action="store_true",
+                        help="compile with the served engine's XLA options (serving/engine/compile.py)")
     parser.add_argument("--smoke", action="store_true",
                         help="the CPU: the default model's shape, 2 layers, short contexts, the reference attention")
     parser.add_argument("--out", type=Path, required=True)
@@ -94,6 +97,7 @@ def main():
         config = dataclasses.replace(ModelConfig.from_json_file(CONFIG), num_layers=args.layers)
     mesh = make_mesh(1, 1)
     result = {"device": str(jax.devices()[0]), "jax": jax.__version__, "layers": args.layers,
+              "served_options": args.served_options,
               "stream_bytes_per_s": read_ceiling(1 << 24, 1)["best"] if args.smoke else read_ceiling()["best"],
               "runs": {}}
     print("stream", result["stream_bytes_per_s"], flush=True)
@@ -122,13 +126,17 @@ def main():
                 caches = allocate_cache(mesh, config.num_layers, weights.layout.kv_slots, config.head_dim,
                                         CacheConfig(num_pages=pages, page_size=PAGE, dtype=cache_dtype))
                 started = time.perf_counter()
-                out, caches = step(weights.tp, caches, batch)
+                run_step = step
+                if args.served_options:
+                    run_step = step.lower(weights.tp, caches, batch).compile(
+                        xla_compiler_options(options, jax.devices()[0].platform))
+                out, caches = run_step(weights.tp, caches, batch)
                 jax.block_until_ready(out.packed)
                 compile_s = time.perf_counter() - started
                 times = []
                 for _ in range(args.iterations):
                     started = time.perf_counter()
-                    out, caches = step(weights.tp, caches, batch)
+                    out, caches = run_step(weights.tp, caches, batch)
                     jax.block_until_ready(out.packed)
                     times.append(time.perf_counter() - started)
                 run = {"ms_median": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times),
