@@ -70,32 +70,38 @@ def _quantize_layer(w: jax.Array, scale: jax.Array) -> jax.Array:
 def quantize_blocks(blocks: jax.Array, kind: str) -> Fp8Weight:
     """``blocks`` (``[layers, P, k, n]``, any sharding along ``P``) quantized per output
     channel, in the same sharding. ``kind``: ``"column"`` (the channel is a block's column)
-    or ``"row"`` (cut along ``k``: the channel's absmax is over every block). One layer
-    at a time, so the float32 temporaries are a layer's; the caller holds ``blocks`` and
-    its FP8 form together until it drops ``blocks`` (the outputs' shapes and dtypes differ
-    from the input's, so donating it would reuse nothing)."""
+    or ``"row"`` (cut along ``k``: the channel's absmax is over every block).
+
+    One layer per call, written into donated outputs: device memory holds ``blocks``, its
+    FP8 form and one layer's float32 temporaries. (One program mapping over the layers
+    copied ``blocks`` into its loop first: Llama-70B's gate|up, 70 GiB in bf16, ran out of
+    an H200's memory.) The caller drops ``blocks`` afterwards; the outputs' dtypes differ
+    from its, so donating it would reuse nothing."""
     if kind not in ("column", "row"):
         raise ValueError(f"kind must be column or row, got {kind!r}")
+    layers, blocks_per_layer, k, n = blocks.shape
     sharding = blocks.sharding
-    spec = sharding.spec if isinstance(sharding, NamedSharding) else None
+    out_shardings = (None, None)
+    if isinstance(sharding, NamedSharding):
+        lead = jax.sharding.PartitionSpec(*(tuple(sharding.spec)[:2] + (None,) * (2 - len(tuple(sharding.spec)[:2]))))
+        out_shardings = (NamedSharding(sharding.mesh, lead),) * 2
 
-    def quantize(blocks):
-        def layer(w):
-            absmax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=1)  # [P, n]
-            if kind == "row":
-                absmax = jnp.broadcast_to(jnp.max(absmax, axis=0), absmax.shape)
-            scale = _channel_scale(absmax)
-            return _quantize_layer(w, scale), scale
+    def quantize_layer(blocks, values, scales, index):
+        w = lax.dynamic_index_in_dim(blocks, index, keepdims=False)  # [P, k, n]
+        absmax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=1)  # [P, n]
+        if kind == "row":
+            absmax = jnp.broadcast_to(jnp.max(absmax, axis=0), absmax.shape)
+        scale = _channel_scale(absmax)
+        values = lax.dynamic_update_index_in_dim(values, _quantize_layer(w, scale), index, 0)
+        return values, lax.dynamic_update_index_in_dim(scales, scale, index, 0)
 
-        values, scale = lax.map(layer, blocks)
-        return Fp8Weight(values=values, scale=scale)
-
-    out_shardings = None
-    if spec is not None:
-        lead = tuple(spec)[:2] + (None,) * (2 - len(tuple(spec)[:2]))
-        out_shardings = Fp8Weight(values=NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*lead)),
-                                  scale=NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*lead)))
-    return jax.jit(quantize, out_shardings=out_shardings)(blocks)
+    values, scales = jax.jit(lambda: (jnp.zeros((layers, blocks_per_layer, n, k), FP8),
+                                      jnp.zeros((layers, blocks_per_layer, n), jnp.float32)),
+                             out_shardings=out_shardings)()
+    step = jax.jit(quantize_layer, donate_argnums=(1, 2), out_shardings=out_shardings)
+    for index in range(layers):
+        values, scales = step(blocks, values, scales, jnp.int32(index))
+    return Fp8Weight(values=values, scale=scales)
 
 
 def dequantize(weight: Fp8Weight, dtype=jnp.float32) -> jax.Array:
