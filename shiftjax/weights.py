@@ -319,7 +319,11 @@ def assemble_weights(config: ModelConfig, mesh: Mesh, storage: blk.WeightStorage
         return make_blocks(weight, weight.global_shape(shapes, len(blocks_at)), sharding, blocks_at)
 
     tp_view, sp_view = {}, {}
-    for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+    # Largest first: quantizing holds a weight's blocks in ``dtype`` beside its FP8 form, and
+    # made while the pool is empty, the largest transient leaves one hole that the smaller
+    # ones and the KV cache reuse (Llama-70B on one H200: made smallest first, the holes were
+    # too small for a 28 GiB half of the cache, with 62 GiB free).
+    for name in ("w_gate_up", "w_down", "wqkv", "wo"):
         weight = plan[f"layers.{name}"]
         ndim = len(weight.block_shape(shapes)) + 1
         if storage == "aliased":
