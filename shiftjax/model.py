@@ -66,6 +66,14 @@ class Context:
         self.fp8_algorithm = fp8_gemm.algorithm(batch.token_ids.shape[0])
 
     @property
+    def fp8_reads_stacked_layers(self) -> bool:
+        """Whether this step's FP8 GEMMs read their layer out of the stacked weights (the
+        Triton w8a16 kernel, given the layer's index); the others take each layer's weights
+        sliced statically, as bf16 GEMMs do."""
+        return (self.quantized_gemm == "pallas" and self.fp8_algorithm == "w8a16"
+                and self.fp8_gemm.w8a16_kernel == "triton")
+
+    @property
     def metadata(self) -> AttentionMetadata:
         batch = self.batch
         return AttentionMetadata(query_start=batch.query_start, seq_lens=batch.seq_lens, page_table=batch.page_table)
@@ -225,16 +233,24 @@ def run_layers(layer_fn, x, layers: LayerWeights, k_cache, v_cache, ctx: Context
         # The layer is traced and lowered once and called num_layers times (XLA inlines the
         # calls, so the program is the same): with every layer's Pallas kernels lowered apart,
         # a 32-layer step took 5.3 s to trace and lower, 0.2 s now (benchmarks/lowering_time.py).
-        # FP8 weights stay stacked, bound to the layer's index: their kernels are custom
-        # calls, whose operands XLA would copy out of the stack (bf16 GEMMs take the slice).
+        # Where a kernel reads its layer out of the stack, FP8 weights stay stacked, bound to
+        # the layer's index: a custom call's operand sliced by XLA is copied first.
+        in_place = ctx.fp8_reads_stacked_layers
+
         @jax.jit
         def layer(x, weights, k_cache, v_cache, index, batch):
-            weights = jax.tree.map(lambda w: dataclasses.replace(w, layer=index) if _is_fp8(w) else w,
-                                   weights, is_leaf=_is_fp8)
+            if in_place:
+                weights = jax.tree.map(lambda w: dataclasses.replace(w, layer=index) if _is_fp8(w) else w,
+                                       weights, is_leaf=_is_fp8)
             return layer_fn(x, weights, k_cache, v_cache, index, ctx.with_batch(batch))
 
+        def weights_of(w, i):
+            if _is_fp8(w):
+                return w if in_place else Fp8Weight(values=w.values[i], scale=w.scale[i])
+            return w[i]
+
         for i in range(num_layers):
-            weights = jax.tree.map(lambda w, i=i: w if _is_fp8(w) else w[i], layers, is_leaf=_is_fp8)
+            weights = jax.tree.map(lambda w, i=i: weights_of(w, i), layers, is_leaf=_is_fp8)
             x, k_cache, v_cache = layer(x, weights, k_cache, v_cache, jnp.int32(i), ctx.batch)
         return x, k_cache, v_cache
 

@@ -24,7 +24,7 @@ from shiftjax.layouts.mesh import SP, TP
 from shiftjax.layouts.specs import EMBED_SPEC, LM_HEAD_SPEC, REPLICATED
 from shiftjax.params import Params, param_shapes
 from shiftjax.pytrees import unchecked_init
-from shiftjax.quantization import Fp8Weight, check_quantization, quantize_blocks
+from shiftjax.quantization import Fp8Weight, check_quantization, empty_fp8_blocks, quantize_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,14 +190,15 @@ def check_storage(storage: str, quantization: str) -> None:
         raise ValueError(f"quantization {quantization} needs weight storage 'aliased', got {storage!r}")
 
 
-def store_block_weight(blocks: jax.Array, mesh: Mesh, storage: str, kind: str, quantization: str):
+def store_block_weight(blocks: jax.Array, mesh: Mesh, storage: str, kind: str, quantization: str,
+                       into: Fp8Weight | None = None):
     """``(tp_view, sp_view)`` of one layer GEMM weight given as its ``[layers, P, ...]``
     blocks: :func:`blocks.store_blocks`, after quantizing per output channel where asked
-    (the values and the scales are then stored alike, so the TP view of each is made of
-    the SP shards' buffers)."""
+    (into ``into`` where given; the values and the scales are then stored alike, so the TP
+    view of each is made of the SP shards' buffers)."""
     if quantization == "none":
         return blk.store_blocks(blocks, mesh, storage, kind)
-    weight = quantize_blocks(blocks, kind)
+    weight = quantize_blocks(blocks, kind, into)
     tp_values, sp_values = blk.store_blocks(weight.values, mesh, storage, kind)
     tp_scale, sp_scale = blk.store_blocks(weight.scale, mesh, storage, kind)
     return (Fp8Weight(values=tp_values, scale=tp_scale),
@@ -319,13 +320,14 @@ def assemble_weights(config: ModelConfig, mesh: Mesh, storage: blk.WeightStorage
         return make_blocks(weight, weight.global_shape(shapes, len(blocks_at)), sharding, blocks_at)
 
     tp_view, sp_view = {}, {}
-    # Largest first: quantizing holds a weight's blocks in ``dtype`` beside its FP8 form, and
-    # made while the pool is empty, the largest transient leaves one hole that the smaller
-    # ones and the KV cache reuse (Llama-70B on one H200: made smallest first, the holes were
-    # too small for a 28 GiB half of the cache, with 62 GiB free).
+    # Largest first, each FP8 form made before the blocks it is quantized from (see
+    # ``empty_fp8_blocks``): the weights pack the bottom of the pool, the rest stays one piece.
     for name in ("w_gate_up", "w_down", "wqkv", "wo"):
         weight = plan[f"layers.{name}"]
         ndim = len(weight.block_shape(shapes)) + 1
+        into = None
+        if quantization != "none":
+            into = empty_fp8_blocks(weight.global_shape(shapes, layout.num_blocks), blk.block_sharding(mesh, ndim))
         if storage == "aliased":
             shards = tuple(blocks_of(weight, blk.shard_sharding(mesh, ndim), blk.shard_block_ids(sp, tp, j))
                            for j in range(sp))
@@ -337,8 +339,8 @@ def assemble_weights(config: ModelConfig, mesh: Mesh, storage: blk.WeightStorage
             del shards
         else:
             blocks = blocks_of(weight, blk.block_sharding(mesh, ndim), all_blocks)
-        tp_view[name], sp_view[name] = store_block_weight(blocks, mesh, storage, weight.kind, quantization)
-        del blocks
+        tp_view[name], sp_view[name] = store_block_weight(blocks, mesh, storage, weight.kind, quantization, into)
+        del blocks, into
     bqkv = None
     if "layers.bqkv" in plan:
         bqkv = blocks_of(plan["layers.bqkv"], blk.block_sharding(mesh, 3), all_blocks)

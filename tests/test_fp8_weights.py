@@ -15,13 +15,15 @@ from hf_tiny import make_tiny_hf_checkpoint
 from stepping import run_scenario
 from test_invariance import CONFIG
 
+from shiftjax.batch import empty_batch
 from shiftjax.checkpoints.convert import convert_hf_checkpoint
 from shiftjax.checkpoints.format import CheckpointError, read_marker
 from shiftjax.checkpoints.load import restore_weights
 from shiftjax.kernels.fp8_gemm import Fp8GemmChoice
 from shiftjax.layouts.mesh import make_mesh
+from shiftjax.model import Context, run_layers
 from shiftjax.params import random_params
-from shiftjax.quantization import Fp8Weight, dequantize
+from shiftjax.quantization import Fp8Weight, dequantize, empty_fp8_blocks, quantize_blocks
 from shiftjax.weights import shard_params
 
 
@@ -49,10 +51,10 @@ def test_tp_sp_and_alternate_give_identical_fp8_logits_and_pages(params, algorit
         assert 1e-4 < error < 0.1, error
 
 
-def test_unrolled_fp8_layers_read_the_stack_in_place_and_equal_the_scan(params):
-    """Unrolled, each layer gets the stacked FP8 weights bound to its index (the GPU kernel
-    reads the layer in place); the scan slices them. Same weights, same logits; and TP and
-    SP mode still agree bit for bit."""
+def test_unrolled_fp8_layers_equal_the_scan(params):
+    """Unrolled, each layer's FP8 weights are sliced statically (or, on the GPU's decode
+    kernel, bound to the stack); the scan slices them dynamically. Same weights, same
+    logits; and TP and SP mode still agree bit for bit."""
     runs = {"tp": ["tp"], "alternate": ["tp", "sp"]}
     choice = Fp8GemmChoice(w8a16_max_tokens=64)
     unrolled, _ = run_scenario(params, CONFIG, 2, 2, runs, quantization="fp8", layer_loop="unrolled", fp8_gemm=choice)
@@ -61,6 +63,29 @@ def test_unrolled_fp8_layers_read_the_stack_in_place_and_equal_the_scan(params):
         assert got.tobytes() == want.tobytes()
     for got, want in zip(unrolled["tp"][0], scanned["tp"][0]):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("tokens,kernel,bound", [(16, "triton", True), (16, "mosaic", False), (128, "triton", False)])
+def test_unrolled_fp8_weights_stay_stacked_only_for_the_kernel_that_reads_the_stack(params, tokens, kernel, bound):
+    """The Triton w8a16 kernel reads its layer out of the stacked weights (a custom call's
+    sliced operand is copied on the GPU); every other FP8 GEMM gets its layer sliced
+    statically, as bf16 weights are, which XLA's GEMMs read where they lie."""
+    weights = shard_params(params, CONFIG, make_mesh(1, 1), "aliased", "fp8")
+    layers, stacked = weights.tp.layers, weights.tp.layers.wo
+    ctx = Context(dims=weights.dims, eps=1e-6, inv_freq=None, batch=empty_batch(tokens, 2, 4),
+                  attention="reference", quantized_gemm="pallas", fp8_gemm=Fp8GemmChoice(w8a16_kernel=kernel))
+    seen = []
+
+    def layer_fn(x, weights, k_cache, v_cache, index, ctx):
+        wo = weights.wo
+        seen.append((wo.layer is not None, wo.values.shape))
+        scale = wo.scale if wo.layer is None else jax.lax.dynamic_index_in_dim(wo.scale, wo.layer, keepdims=False)
+        return x + scale[0, 0], k_cache, v_cache
+
+    x, _, _ = run_layers(layer_fn, jnp.zeros(()), layers, jnp.zeros(()), jnp.zeros(()), ctx, unrolled=True)
+    assert float(x) == pytest.approx(float(jnp.sum(stacked.scale[:, 0, 0])), rel=1e-6)  # each layer's own
+    assert ctx.fp8_reads_stacked_layers == bound
+    assert set(seen) == {(bound, stacked.values.shape if bound else stacked.values.shape[1:])}
 
 
 @pytest.mark.parametrize("sp,tp", [(2, 2), (1, 2), (1, 1)])
@@ -218,3 +243,15 @@ def test_an_fp8_tensor_without_a_quantization_config_is_refused(tmp_path):
     (hf_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="is F8_E4M3, but config.json has no quantization_config"):
         convert_hf_checkpoint(hf_dir, tmp_path / "ckpt")
+
+
+def test_quantize_blocks_fills_the_outputs_made_before_the_blocks():
+    """``empty_fp8_blocks`` made first, then filled: the same values as made after, and
+    outputs that do not fit the blocks are refused."""
+    blocks = jax.random.normal(jax.random.key(0), (3, 2, 16, 8), jnp.bfloat16)
+    want = quantize_blocks(blocks, "row")
+    got = quantize_blocks(blocks, "row", empty_fp8_blocks(blocks.shape, blocks.sharding))
+    assert np.asarray(got.values).tobytes() == np.asarray(want.values).tobytes()
+    assert np.asarray(got.scale).tobytes() == np.asarray(want.scale).tobytes()
+    with pytest.raises(ValueError, match="do not fit"):
+        quantize_blocks(blocks, "row", empty_fp8_blocks((3, 2, 8, 16), blocks.sharding))
