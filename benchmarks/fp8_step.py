@@ -110,7 +110,7 @@ def main():
         variants.append(("fp8_kv", "fp8", "float8_e4m3fn", ("decode_64",), DEFAULT_CHOICE))
     if args.w8a16:
         variants += [("fp8_w8a8_cublas", "fp8", "bfloat16", decode, Fp8GemmChoice(w8a16_max_tokens=0)),
-                     ("fp8_w8a16_mosaic", "fp8", "bfloat16", decode, Fp8GemmChoice(w8a16_kernel="mosaic"))]
+                     ("fp8_w8a16_mosaic", "fp8", "bfloat16", decode, Fp8GemmChoice(triton_max_rows=0))]
     weights = None
     for name, quantization, cache_dtype, cases_of, fp8_gemm in variants:
         if weights is None or weights.quantization != quantization:

@@ -32,7 +32,10 @@ ALGORITHMS = ("w8a16", "w8a8")
 _IMPLEMENTATIONS = ("reference", "pallas")
 
 
-W8A16_KERNELS = ("triton", "mosaic")
+# Pallas's Triton lowering computes a ref's element offsets in int32: past this many
+# elements its loads read the wrong memory (on the H200, the last layer of Llama-3.1-8B's
+# 32-layer gate|up stack gave products 100x off: benchmarks/results/fp8_h200/stack_past_2_gib/).
+TRITON_MAX_ELEMENTS = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,30 +45,38 @@ class Fp8GemmChoice:
     The algorithm is chosen from the step's token count (all devices' rows, before SP splits
     them), so TP and SP mode do the same arithmetic: ``w8a16`` up to ``w8a16_max_tokens``,
     ``w8a8`` above. The kernel (``implementation="pallas"``) is chosen from the rows of the
-    GEMM itself, which changes only the order of float32 additions: ``w8a16`` runs the
-    ``w8a16_kernel`` Pallas kernel (Triton or Mosaic GPU); ``w8a8`` of at most
-    ``cublas_max_rows`` rows runs as XLA's e4m3 dot (cuBLASLt's FP8 GEMM), above that the
-    Mosaic GPU kernel.
+    GEMM itself, which changes only the order of float32 additions: ``w8a16`` of at most
+    ``triton_max_rows`` rows runs the Triton kernel, above that the Mosaic GPU one; ``w8a8``
+    of at most ``cublas_max_rows`` rows runs as XLA's e4m3 dot (cuBLASLt's FP8 GEMM), above
+    that the Mosaic GPU kernel.
 
     The defaults are the H200's measurements (benchmarks/README.md, "FP8 decode"). Alone,
-    cuBLASLt's FP8 GEMM was the fastest decode GEMM (benchmarks/results/fp8_h200/sweep/);
-    inside an unrolled step every custom call's weight is copied out of the layer stack
-    first, which made every FP8 decode step slower than bf16's, except the Triton kernel's,
-    which reads its layer in place (``layer=``). So decode is ``w8a16`` on Triton."""
+    cuBLASLt's FP8 GEMM was the fastest decode GEMM (benchmarks/results/fp8_h200/sweep/),
+    but inside an unrolled step XLA copies each layer's weight out of the stack before a
+    cuBLASLt call, statically sliced or not, and the copy made that step slower than bf16's;
+    the Pallas kernels read their layer in place (``layer=``)."""
 
     w8a16_max_tokens: int = 64
-    w8a16_kernel: str = "triton"
+    triton_max_rows: int = 16
     cublas_max_rows: int = 64
 
     def __post_init__(self):
-        if self.w8a16_max_tokens < 0 or self.cublas_max_rows < 0:
-            raise ValueError(f"Fp8GemmChoice.w8a16_max_tokens and cublas_max_rows must be >= 0, got {self}")
-        if self.w8a16_kernel not in W8A16_KERNELS:
-            raise ValueError(f"Fp8GemmChoice.w8a16_kernel must be one of {', '.join(W8A16_KERNELS)}, "
-                             f"got {self.w8a16_kernel!r}")
+        for name in ("w8a16_max_tokens", "triton_max_rows", "cublas_max_rows"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"Fp8GemmChoice.{name} must be >= 0, got {getattr(self, name)}")
 
     def algorithm(self, tokens: int) -> str:
         return "w8a16" if tokens <= self.w8a16_max_tokens else "w8a8"
+
+    def kernel(self, algorithm: str, rows: int, weight_elements: int = 0) -> str:
+        """The GPU kernel of ``algorithm`` for a GEMM of ``rows`` rows whose weight operand
+        (every layer's, where the kernel reads a layer of the stack) has ``weight_elements``
+        elements: ``triton``, ``mosaic`` or ``cublas``. The Triton kernel addresses its
+        operand with 32-bit offsets, so a larger weight goes to the Mosaic kernel."""
+        if algorithm == "w8a16":
+            fits = weight_elements <= TRITON_MAX_ELEMENTS
+            return "triton" if rows <= self.triton_max_rows and fits else "mosaic"
+        return "cublas" if rows <= self.cublas_max_rows else "mosaic"
 
 
 DEFAULT_CHOICE = Fp8GemmChoice()
@@ -136,29 +147,30 @@ def fp8_matmul(
     """``x @ w.T`` for the quantized weight ``w ~= values * scale[:, None]`` by
     ``algorithm`` (``w8a16`` or ``w8a8``) and ``implementation``: the XLA ``reference``,
     or ``pallas``, the GPU kernels ``choice`` picks for this many rows. ``layer``:
-    ``values`` and ``scale`` hold every layer, and the product uses this one's; the Triton
-    w8a16 kernel reads it in place, the others take it sliced (a copy on GPUs)."""
+    ``values`` and ``scale`` hold every layer, and the product uses this one's; the Pallas
+    kernels read it in place, XLA's dots (the reference, cuBLASLt's) take it sliced, which
+    on a GPU copies it first."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {', '.join(_IMPLEMENTATIONS)}, got {implementation!r}")
-    if implementation == "pallas" and algorithm == "w8a16" and choice.w8a16_kernel == "triton":
+    kernel = choice.kernel(algorithm, x.shape[0], values.size) if implementation == "pallas" else "reference"
+    if kernel == "triton":
         from . import fp8_gemm_triton  # GPU lowering only when asked
 
         return fp8_gemm_triton.w8a16_matmul(x, values, scale, layer=layer)
+    if kernel == "mosaic":
+        from . import fp8_gemm_mosaic  # Mosaic GPU lowering only when asked
+
+        mosaic = fp8_gemm_mosaic.w8a16_matmul if algorithm == "w8a16" else fp8_gemm_mosaic.w8a8_matmul
+        return mosaic(x, values, scale, layer=layer)
     if layer is not None:
         values = jax.lax.dynamic_index_in_dim(values, layer, keepdims=False)
         scale = jax.lax.dynamic_index_in_dim(scale, layer, keepdims=False)
-    if implementation == "reference":
-        reference = w8a16_matmul_reference if algorithm == "w8a16" else w8a8_matmul_reference
-        return reference(x, values, scale)
-    from . import fp8_gemm_mosaic  # Mosaic GPU lowering only when asked
-
-    if algorithm == "w8a16":
-        return fp8_gemm_mosaic.w8a16_matmul(x, values, scale)
-    if x.shape[0] <= choice.cublas_max_rows:
+    if kernel == "cublas":
         return w8a8_matmul_cublas(x, values, scale)
-    return fp8_gemm_mosaic.w8a8_matmul(x, values, scale)
+    reference = w8a16_matmul_reference if algorithm == "w8a16" else w8a8_matmul_reference
+    return reference(x, values, scale)
 
 
 def gpu_supports_fp8(device: jax.Device) -> bool:

@@ -62,7 +62,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from . import fp8_gemm
 
@@ -139,19 +139,20 @@ def _f16_rows(x: Float[Array, "m k"]) -> tuple[Float[Array, "m k"], Float[Array,
 
 
 def _w8a16_partials(
-    x16: Float[Array, "m_pad k"], values: Float[Array, "n k"], config: W8A16Config
+    x16: Float[Array, "m_pad k"], values: Float[Array, "layers n k"], layer: Int[Array, "1"], config: W8A16Config
 ) -> Float[Array, "n split_m"]:
     m_pad, k = x16.shape
-    n = values.shape[0]
+    n = values.shape[1]
     tile_n, tile_k, split = config.tile_n, config.tile_k, config.split_k
     k_steps = k // (tile_k * split)
     operand_dtype = x16.dtype
     out_transforms = _tiled(m_pad, _F32)
     stages = _fitting_stages(config.stages, k_steps, tile_n * tile_k + m_pad * tile_k * 2, tile_n * m_pad * 4)
 
-    def kernel(w_gmem, x_gmem, out_gmem):
+    def kernel(layer_gmem, w_gmem, x_gmem, out_gmem):
         stripe = lax.axis_index("n")
         part = lax.axis_index("split")
+        first_stripe = layer_gmem[0] * (n // tile_n)  # the layer's first row of w_gmem, in tiles
 
         def step(_, w_smem, x_smem, acc_ref):
             w = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
@@ -166,7 +167,7 @@ def _w8a16_partials(
                 lambda idx, w_smem, x_smem: step(idx, w_smem, x_smem, acc_ref),
                 grid=(k_steps,),
                 in_specs=[
-                    plgpu.BlockSpec((tile_n, tile_k), lambda j: (stripe, part * k_steps + j),
+                    plgpu.BlockSpec((tile_n, tile_k), lambda j: (first_stripe + stripe, part * k_steps + j),
                                     transforms=_tiled(tile_k, fp8_gemm.FP8)),
                     plgpu.BlockSpec((m_pad, tile_k), lambda j: (0, part * k_steps + j),
                                     transforms=_tiled(tile_k, operand_dtype)),
@@ -184,31 +185,53 @@ def _w8a16_partials(
         out_type=jax.ShapeDtypeStruct((n, split * m_pad), _F32),
         grid=(n // tile_n, split),
         grid_names=("n", "split"),
-    )(values, x16)
+    )(layer, _rows_of_every_layer(values), x16)
+
+
+def _rows_of_every_layer(values: Float[Array, "layers n k"]) -> Float[Array, "layers_n k"]:
+    """The stack as one ``[layers * n, k]`` matrix (a bitcast, not a copy): the kernels
+    address their layer by TMA row coordinate, and the TMA unit computes the byte offset,
+    which for a 70B stack is far past 32 bits (the Triton kernel's offsets are int32:
+    ``fp8_gemm.TRITON_MAX_ELEMENTS``)."""
+    return values.reshape(-1, values.shape[-1])
+
+
+def _stacked(values, scale, layer):
+    """``values`` and ``scale`` with a leading layer axis, and the layer as int32[1] (the
+    kernels' operand: they read their layer out of the stack in place)."""
+    if layer is None:
+        return values[None], scale[None], jnp.zeros((1,), jnp.int32)
+    return values, scale, jnp.asarray(layer, jnp.int32).reshape(1)
 
 
 def w8a16_matmul(
     x: Float[Array, "m k"],
-    values: Float[Array, "n k"],
-    scale: Float[Array, "n"],
+    values: Float[Array, "*layers n k"],
+    scale: Float[Array, "*layers n"],
     config: W8A16Config | None = None,
+    *,
+    layer: Int[Array, ""] | int | None = None,
 ) -> Float[Array, "m n"]:
     """``(x @ values.T) * scale`` rounded once to ``x.dtype``, by the Mosaic GPU kernel
-    (the reference where ``config`` does not divide ``n, k``)."""
+    (the reference where ``config`` does not divide ``n, k``). ``layer``: ``values`` and
+    ``scale`` are every layer's, stacked, and the kernel reads this layer's in place."""
+    values, scale, layer = _stacked(values, scale, layer)
     m, k = x.shape
-    n = values.shape[0]
+    n = values.shape[1]
     config = config or w8a16_config(n, k, m)
+    layer_scale = scale[layer[0]]
     if not config.divides(n, k):
-        return fp8_gemm.w8a16_matmul_reference(x, values, scale)
+        return fp8_gemm.w8a16_matmul_reference(x, values[layer[0]], layer_scale)
     if m > _MAX_WGMMA_N:  # wgmma's N holds the tokens: cut into pieces (not a decode case)
-        pieces = [w8a16_matmul(x[i:i + _MAX_WGMMA_N], values, scale, config) for i in range(0, m, _MAX_WGMMA_N)]
+        pieces = [w8a16_matmul(x[i:i + _MAX_WGMMA_N], values, scale, config, layer=layer[0])
+                  for i in range(0, m, _MAX_WGMMA_N)]
         return jnp.concatenate(pieces, axis=0)
     m_pad = max(8, -(-m // 8) * 8)
     x_pad = jnp.pad(x, ((0, m_pad - m), (0, 0)))
     x16, row_scale = _f16_rows(x_pad)
-    partials = _w8a16_partials(x16, values, config)
+    partials = _w8a16_partials(x16, values, layer, config)
     acc_t = partials.reshape(n, config.split_k, m_pad).sum(axis=1)
-    out = acc_t.T[:m] * row_scale[:m, None] * scale[None, :]
+    out = acc_t.T[:m] * row_scale[:m, None] * layer_scale[None, :]
     return out.astype(x.dtype)
 
 
@@ -255,18 +278,20 @@ def w8a8_config(n: int, k: int, m: int) -> W8A8Config:
 def _w8a8_gemm(
     xq: Float[Array, "m_pad k"],
     x_scale: Float[Array, "m_pad"],
-    values: Float[Array, "n k"],
+    values: Float[Array, "layers n k"],
     scale: Float[Array, "n"],
+    layer: Int[Array, "1"],
     config: W8A8Config,
 ) -> Float[Array, "m_pad n"]:
     m_pad, k = xq.shape
-    n = values.shape[0]
+    n = values.shape[1]
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
     k_steps = k // tile_k
     operand = _tiled(tile_k, fp8_gemm.FP8)
     stages = _fitting_stages(config.stages, k_steps, (2 * tile_m + tile_n) * tile_k, 2 * tile_m * tile_n * 2)
 
-    def kernel(a_gmem, b_gmem, xs_gmem, ws_gmem, out_gmem, out_smem):
+    def kernel(layer_gmem, a_gmem, b_gmem, xs_gmem, ws_gmem, out_gmem, out_smem):
+        first_col_tile = layer_gmem[0] * (n // tile_n)  # the layer's first row of b_gmem, in tiles
         mi = lax.axis_index("m")
         ni = lax.axis_index("n")
         wg = lax.axis_index("wg")
@@ -298,7 +323,7 @@ def _w8a8_gemm(
             memory_registers=40,
             in_specs=[
                 plgpu.BlockSpec((2 * tile_m, tile_k), lambda j: (mi, j), transforms=operand),
-                plgpu.BlockSpec((tile_n, tile_k), lambda j: (ni, j), transforms=operand),
+                plgpu.BlockSpec((tile_n, tile_k), lambda j: (first_col_tile + ni, j), transforms=operand),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -314,24 +339,26 @@ def _w8a8_gemm(
         num_threads=3,
         thread_name="wg",
         scratch_types=dict(out_smem=plgpu.SMEM((2, tile_m, tile_n), _BF16, transforms=_tiled(tile_n, _BF16))),
-    )(xq, values, x_scale, scale)
+    )(layer, xq, _rows_of_every_layer(values), x_scale, scale)
 
 
 def _w8a8_gemm_one_warpgroup(
     xq: Float[Array, "m_pad k"],
     x_scale: Float[Array, "m_pad"],
-    values: Float[Array, "n k"],
+    values: Float[Array, "layers n k"],
     scale: Float[Array, "n"],
+    layer: Int[Array, "1"],
     config: W8A8Config,
 ) -> Float[Array, "m_pad n"]:
     m_pad, k = xq.shape
-    n = values.shape[0]
+    n = values.shape[1]
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
     k_steps = k // tile_k
     operand = _tiled(tile_k, fp8_gemm.FP8)
     stages = _fitting_stages(config.stages, k_steps, (tile_m + tile_n) * tile_k, tile_m * tile_n * 2)
 
-    def kernel(a_gmem, b_gmem, xs_gmem, ws_gmem, out_gmem):
+    def kernel(layer_gmem, a_gmem, b_gmem, xs_gmem, ws_gmem, out_gmem):
+        first_col_tile = layer_gmem[0] * (n // tile_n)  # the layer's first row of b_gmem, in tiles
         mi = lax.axis_index("m")
         ni = lax.axis_index("n")
         rows = pl.ds(mi * tile_m, tile_m)
@@ -349,7 +376,7 @@ def _w8a8_gemm_one_warpgroup(
                 grid=(k_steps,),
                 in_specs=[
                     plgpu.BlockSpec((tile_m, tile_k), lambda j: (mi, j), transforms=operand),
-                    plgpu.BlockSpec((tile_n, tile_k), lambda j: (ni, j), transforms=operand),
+                    plgpu.BlockSpec((tile_n, tile_k), lambda j: (first_col_tile + ni, j), transforms=operand),
                 ],
                 max_concurrent_steps=stages,
             )(a_gmem, b_gmem)
@@ -368,25 +395,29 @@ def _w8a8_gemm_one_warpgroup(
         out_type=jax.ShapeDtypeStruct((m_pad, n), _BF16),
         grid=(m_pad // tile_m, n // tile_n),
         grid_names=("m", "n"),
-    )(xq, values, x_scale, scale)
+    )(layer, xq, _rows_of_every_layer(values), x_scale, scale)
 
 
 def w8a8_matmul(
     x: Float[Array, "m k"],
-    values: Float[Array, "n k"],
-    scale: Float[Array, "n"],
+    values: Float[Array, "*layers n k"],
+    scale: Float[Array, "*layers n"],
     config: W8A8Config | None = None,
+    *,
+    layer: Int[Array, ""] | int | None = None,
 ) -> Float[Array, "m n"]:
     """``x`` quantized per row, then ``(xq @ values.T) * x_scale * scale`` rounded once
     to ``x.dtype``, by the Mosaic GPU kernel (the reference where ``config`` does not
-    divide ``n, k``)."""
+    divide ``n, k``). ``layer`` as in :func:`w8a16_matmul`."""
+    values, scale, layer = _stacked(values, scale, layer)
     m, k = x.shape
-    n = values.shape[0]
+    n = values.shape[1]
     config = config or w8a8_config(n, k, m)
+    layer_scale = scale[layer[0]]  # n floats: XLA's copy of them costs nothing
     if not config.divides(n, k):
-        return fp8_gemm.w8a8_matmul_reference(x, values, scale)
+        return fp8_gemm.w8a8_matmul_reference(x, values[layer[0]], layer_scale)
     m_pad = -(-m // config.cta_m) * config.cta_m
     xq, x_scale = fp8_gemm.quantize_rows(jnp.pad(x, ((0, m_pad - m), (0, 0))))
     gemm = _w8a8_gemm if config.warp_specialized else _w8a8_gemm_one_warpgroup
-    out = gemm(xq, x_scale, values, scale, config)
+    out = gemm(xq, x_scale, values, layer_scale, layer, config)
     return out[:m].astype(x.dtype)

@@ -102,6 +102,9 @@ def w8a16_matmul(
     layer ``layer`` where it lies. A slice taken in XLA instead would be copied out of the
     stack on every call (a custom call's operand is a buffer of its own): on the H200 that
     copy made the FP8 decode step slower than bf16's."""
+    if values.size > fp8_gemm.TRITON_MAX_ELEMENTS:
+        raise ValueError(f"the Triton w8a16 kernel addresses its weights with 32-bit offsets: a weight of "
+                         f"{values.size} elements (shape {values.shape}) needs the Mosaic GPU kernel")
     if layer is None:
         values, scale, layer = values[None], scale[None], 0
     m, k = x.shape

@@ -67,11 +67,10 @@ class Context:
 
     @property
     def fp8_reads_stacked_layers(self) -> bool:
-        """Whether this step's FP8 GEMMs read their layer out of the stacked weights (the
-        Triton w8a16 kernel, given the layer's index); the others take each layer's weights
-        sliced statically, as bf16 GEMMs do."""
-        return (self.quantized_gemm == "pallas" and self.fp8_algorithm == "w8a16"
-                and self.fp8_gemm.w8a16_kernel == "triton")
+        """Whether this step's FP8 GEMMs get the stacked weights and the layer's index (the
+        Pallas kernels read their layer in place); the reference takes each layer's weights
+        sliced statically, as bf16 GEMMs do, which XLA's dots read where they lie."""
+        return self.quantized_gemm == "pallas"
 
     @property
     def metadata(self) -> AttentionMetadata:

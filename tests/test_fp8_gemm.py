@@ -4,6 +4,8 @@ the Mosaic GPU kernels (kernels/fp8_gemm_mosaic.py) against the references on an
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,10 +91,27 @@ def test_algorithm_choice():
     assert [choice.algorithm(t) for t in (1, 16, 64, 65, 256, 4096)] == ["w8a16"] * 3 + ["w8a8"] * 3
     default = fp8_gemm.DEFAULT_CHOICE
     assert default.algorithm(1) == "w8a16" and default.algorithm(4096) == "w8a8"
-    with pytest.raises(ValueError, match="w8a16_kernel must be one of triton, mosaic, got 'cuda'"):
-        fp8_gemm.Fp8GemmChoice(w8a16_kernel="cuda")
+    with pytest.raises(ValueError, match="triton_max_rows must be >= 0, got -1"):
+        fp8_gemm.Fp8GemmChoice(triton_max_rows=-1)
     with pytest.raises(ValueError, match="cublas_max_rows must be >= 0"):
         fp8_gemm.Fp8GemmChoice(cublas_max_rows=-1)
+
+
+def test_kernel_choice_by_rows_and_weight_size():
+    choice = fp8_gemm.Fp8GemmChoice(triton_max_rows=16, cublas_max_rows=64)
+    assert [choice.kernel("w8a16", rows) for rows in (1, 16, 17, 64)] == ["triton"] * 2 + ["mosaic"] * 2
+    assert [choice.kernel("w8a8", rows) for rows in (64, 65, 4096)] == ["cublas"] + ["mosaic"] * 2
+    gate_up_8b = 32 * 28672 * 4096  # 8B's gate|up, every layer: past the Triton kernel's int32 offsets
+    assert choice.kernel("w8a16", 16, gate_up_8b) == "mosaic"
+    assert choice.kernel("w8a16", 16, 32 * 4096 * 14336) == "triton"  # its down projection fits
+
+
+def test_triton_kernel_refuses_a_weight_past_32_bit_offsets():
+    values = jax.ShapeDtypeStruct((32, 28672, 4096), fp8_gemm.FP8)
+    scale = jax.ShapeDtypeStruct((32, 28672), jnp.float32)
+    with pytest.raises(ValueError, match="32-bit offsets: a weight of 3758096384 elements"):
+        jax.eval_shape(lambda x, v, s: triton.w8a16_matmul(x, v, s, layer=31, interpret=True),
+                       jax.ShapeDtypeStruct((16, 4096), jnp.bfloat16), values, scale)
 
 
 def test_cublas_w8a8_matches_the_reference():
@@ -270,6 +289,38 @@ def test_w8a8_kernel_configs(config):
     x = _x(512, 4096, 15)
     out = jax.jit(lambda x, v, s: mosaic.w8a8_matmul(x, v, s, config))(x, values, scale)
     _check_w8a8(out, fp8_gemm.w8a8_matmul_reference(x, values, scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (Hopper)")
+def test_mosaic_kernels_read_a_layer_of_the_stack():
+    """``layer=`` (a traced index, as in an unrolled step): both Mosaic kernels read that
+    layer of the stacked weights, and only that one."""
+    stack = [_weight(1024, 2048, 40 + i) for i in range(3)]
+    values, scale = jnp.stack([v for v, _ in stack]), jnp.stack([s for _, s in stack])
+    for kernel, reference, check, m in ((mosaic.w8a16_matmul, fp8_gemm.w8a16_matmul_reference, _check, 16),
+                                        (mosaic.w8a8_matmul, fp8_gemm.w8a8_matmul_reference, _check_w8a8, 300)):
+        x = _x(m, 2048, 43)
+        run = jax.jit(lambda x, v, s, i, kernel=kernel: kernel(x, v, s, layer=i))
+        for layer in (2, 0):
+            check(run(x, values, scale, jnp.int32(layer)), reference(x, *stack[layer]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (Hopper)")
+def test_pallas_kernels_read_the_last_layer_of_a_stack_past_2_gib():
+    """Llama-3.1-8B's gate|up over 32 layers (3.5 GiB of e4m3): the last layer lies past
+    every 32-bit offset. Each Mosaic kernel's product with it is the reference's, and so is
+    the dispatch's at 16 rows (the Triton kernel's rows, whose int32 offsets cannot reach it)."""
+    layers, n, k = 32, 28672, 4096
+    values = jax.random.normal(jax.random.key(50), (layers, n, k), jnp.bfloat16).astype(fp8_gemm.FP8)
+    scale = jnp.full((layers, n), 0.01, jnp.float32)
+    for kernel, reference, check, m in ((mosaic.w8a16_matmul, fp8_gemm.w8a16_matmul_reference, _check, 64),
+                                        (triton.w8a16_matmul, fp8_gemm.w8a16_matmul_reference, _check, 16),
+                                        (mosaic.w8a8_matmul, fp8_gemm.w8a8_matmul_reference, _check_w8a8, 512)):
+        x = _x(m, k, 51)
+        out = jax.jit(lambda x, v, s, i, kernel=kernel: kernel(x, v, s, layer=i))(x, values, scale, jnp.int32(layers - 1))
+        check(out, reference(x, values[layers - 1], scale[layers - 1]))
 
 
 @pytest.mark.gpu

@@ -65,15 +65,16 @@ def test_unrolled_fp8_layers_equal_the_scan(params):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("tokens,kernel,bound", [(16, "triton", True), (16, "mosaic", False), (128, "triton", False)])
-def test_unrolled_fp8_weights_stay_stacked_only_for_the_kernel_that_reads_the_stack(params, tokens, kernel, bound):
-    """The Triton w8a16 kernel reads its layer out of the stacked weights (a custom call's
-    sliced operand is copied on the GPU); every other FP8 GEMM gets its layer sliced
-    statically, as bf16 weights are, which XLA's GEMMs read where they lie."""
+@pytest.mark.parametrize("tokens,quantized_gemm,bound", [(16, "pallas", True), (128, "pallas", True),
+                                                         (16, "reference", False)])
+def test_unrolled_fp8_weights_stay_stacked_for_the_kernels_that_read_the_stack(params, tokens, quantized_gemm, bound):
+    """The Pallas kernels read their layer out of the stacked weights (a custom call's
+    sliced operand is copied on the GPU); the reference gets its layer sliced statically,
+    as bf16 weights are, which XLA's GEMMs read where they lie."""
     weights = shard_params(params, CONFIG, make_mesh(1, 1), "aliased", "fp8")
     layers, stacked = weights.tp.layers, weights.tp.layers.wo
     ctx = Context(dims=weights.dims, eps=1e-6, inv_freq=None, batch=empty_batch(tokens, 2, 4),
-                  attention="reference", quantized_gemm="pallas", fp8_gemm=Fp8GemmChoice(w8a16_kernel=kernel))
+                  attention="reference", quantized_gemm=quantized_gemm)
     seen = []
 
     def layer_fn(x, weights, k_cache, v_cache, index, ctx):
