@@ -10,7 +10,10 @@ over repeated donated calls after a warm-up:
   (the weight bytes it reads over that rate);
 - ``--w8a16``: the decode steps again with the other decode GEMMs in place of the default
   (w8a16 on the Triton kernel): w8a8 on cuBLASLt's FP8 GEMM, and w8a16 on the Mosaic GPU
-  kernel.
+  kernel;
+- ``--check-reference``: each FP8 step's logits against the same step with XLA's reference
+  GEMMs (``quantized_gemm="reference"``), which read each layer's weights sliced: a kernel
+  that read the wrong layer, or the wrong memory, shows as a relative error near 1.
 
     python3 -P benchmarks/fp8_step.py --out DIR          # the H200 (via benchmarks/gpu_env.sh)
 """
@@ -53,6 +56,17 @@ CASES = {  # name -> (tokens bucket, sequences, context before the step, new tok
 }
 
 
+def logits_against_reference(logits, reference_step, weights, caches, batch) -> dict:
+    """This step's logits against the reference GEMMs' on the same batch (the caches are
+    zeroed first: both steps then attend to the K and V they wrote themselves)."""
+    caches = jax.tree.map(jnp.zeros_like, caches)
+    reference, _ = reference_step(weights.tp, caches, batch)
+    got = np.asarray(logits, np.float64)
+    want = np.asarray(reference.logits, np.float64)
+    return {"reference_rel_l2": float(np.linalg.norm(got - want) / np.linalg.norm(want)),
+            "reference_argmax_agreement": float(np.mean(got.argmax(-1) == want.argmax(-1)))}
+
+
 def batch_for(tokens: int, seqs: int, context: int, new: int, max_pages: int):
     batch = empty_batch(tokens, seqs, max_pages)
     per_seq = -(-(context + new) // PAGE)
@@ -81,6 +95,8 @@ def main():
     parser.add_argument("--w8a16", action="store_true", help="also the decode steps with the w8a16 kernels")
     parser.add_argument("--served-options", action="store_true",
                         help="compile with the served engine's XLA options (serving/engine/compile.py)")
+    parser.add_argument("--check-reference", action="store_true",
+                        help="compare each FP8 step's logits with the reference GEMMs' (relative L2, argmax)")
     parser.add_argument("--smoke", action="store_true",
                         help="the CPU: the default model's shape, 2 layers, short contexts, the reference attention")
     parser.add_argument("--out", type=Path, required=True)
@@ -91,7 +107,7 @@ def main():
         from shiftjax.checkpoints.default_model import default_model_path
 
         config = dataclasses.replace(ModelConfig.from_json_file(default_model_path() / "config.json"), num_layers=2)
-        args.attention, args.iterations, args.fp8_kv, args.w8a16 = "reference", 2, True, True
+        args.attention, args.iterations, args.fp8_kv, args.w8a16, args.check_reference = "reference", 2, True, True, True
         cases = {"decode_1": (16, 1, 64, 1), "decode_64": (16, 4, 64, 1), "prefill_4096": (64, 1, 0, 64)}
     else:
         config = dataclasses.replace(ModelConfig.from_json_file(CONFIG), num_layers=args.layers)
@@ -117,6 +133,10 @@ def main():
             weights = None  # the previous variant's weights go before the next are made
             weights = dummy_weights(config, mesh=mesh, dtype="bfloat16", quantization=quantization)
         step = make_step(weights, "tp", dataclasses.replace(options, fp8_gemm=fp8_gemm))
+        reference_step = None
+        if args.check_reference and quantization == "fp8":
+            reference_step = make_step(weights, "tp", dataclasses.replace(
+                options, fp8_gemm=fp8_gemm, quantized_gemm="reference"))
         for case in [c for c in cases_of if c in chosen]:
             tokens, seqs, context, new = cases[case]
             max_pages = -(-(context + new) // PAGE)
@@ -141,6 +161,8 @@ def main():
                     times.append(time.perf_counter() - started)
                 run = {"ms_median": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times),
                        "first_call_s": round(compile_s, 1), "finite": bool(np.isfinite(np.asarray(out.logits)).all())}
+                if reference_step is not None:
+                    run.update(logits_against_reference(out.logits, reference_step, weights, caches, batch))
                 if case.startswith("decode"):
                     floor = weight_bytes(config, quantization) / result["stream_bytes_per_s"]
                     run["weight_floor_ms"] = 1e3 * floor

@@ -315,8 +315,9 @@ def test_pallas_kernels_read_the_last_layer_of_a_stack_past_2_gib():
     layers, n, k = 32, 28672, 4096
     values = jax.random.normal(jax.random.key(50), (layers, n, k), jnp.bfloat16).astype(fp8_gemm.FP8)
     scale = jnp.full((layers, n), 0.01, jnp.float32)
+    dispatch = functools.partial(fp8_gemm.fp8_matmul, algorithm="w8a16", implementation="pallas")
     for kernel, reference, check, m in ((mosaic.w8a16_matmul, fp8_gemm.w8a16_matmul_reference, _check, 64),
-                                        (triton.w8a16_matmul, fp8_gemm.w8a16_matmul_reference, _check, 16),
+                                        (dispatch, fp8_gemm.w8a16_matmul_reference, _check, 16),
                                         (mosaic.w8a8_matmul, fp8_gemm.w8a8_matmul_reference, _check_w8a8, 512)):
         x = _x(m, k, 51)
         out = jax.jit(lambda x, v, s, i, kernel=kernel: kernel(x, v, s, layer=i))(x, values, scale, jnp.int32(layers - 1))
