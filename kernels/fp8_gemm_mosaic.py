@@ -31,25 +31,12 @@ with ``m > 256`` runs in pieces of 256 (wgmma's N limit; not a decode case). e4m
 needs PTX ISA 9.2 in Mosaic GPU; the H200 image's ptxas is 9.0 (probe, call 1), hence the
 float16 operand.
 
-Measured on the H200 (JAX 0.11.2; ``BENCH_TIMEOUT=115 bash benchmarks/run_fp8_gemm.sh
---shapes 8b.o,...``; only ``8b.o`` [n=4096, k=4096] finished inside the time limit:
-benchmarks/results/fp8_h200/gemm/fp8_gemm.json). Sum of kernel times per GEMM including
-the XLA fusions around the kernel; read-only stream 4.67 TB/s, cuBLASLt FP8 8192^3
-1614 TFLOP/s in the same run::
-
-    m     bf16 XLA  w8a16 kernel (of stream)  w8a8 kernel (of FP8 rate)  XLA fp8 dot
-    1      12.3 us   11.1 us (0.32)            19.7 us                    13.0 us
-    16     11.9      12.6    (0.29)            20.1                       12.1
-    64     17.2      17.8    (0.20)            20.5                       14.4
-    256    19.4      42.3                      28.7    (0.19)             17.8
-    1024   47.8      -                         37.4    (0.57)             43.6
-    4096  182.7      -                        129.2    (0.66)            150.4
-
-So: w8a8 at m >= 1024 beats cuBLASLt's FP8 GEMM (with XLA's quantization and scales
-around it) by 16-17% and bf16 by 1.3-1.4x; w8a16 reaches only a third of the stream at
-this small shape (no faster than XLA's bf16 GEMM) and was not measured on the larger
-projections, nor were the configs tuned by measurement (the defaults below are guesses
-checked only for correctness).
+Both kernels take every layer's weights, stacked, with the layer's index (``layer=``) and
+read that layer in place: XLA would copy a sliced operand out of the stack first. Measured
+on the H200 (benchmarks/README.md, "FP8 weights and the FP8 KV cache"): w8a8 runs a 4,096-token
+prefill step at 0.76x bf16's; w8a16 decodes 1 sequence at 1.01x and 64 at 1.19x bf16's step
+(the Triton w8a16 kernel is faster at 16 rows). The GEMM-level numbers and the sweep of
+configs are in benchmarks/results/fp8_h200/gemm/ and sweep/.
 """
 
 from __future__ import annotations
