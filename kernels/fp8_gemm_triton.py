@@ -13,6 +13,10 @@ writes a float32 partial and XLA sums them and applies the scales in one fusion.
 The tokens are the dot's M, padded to a power of two of at least 16 (``tl.dot``'s minimum;
 Triton's blocks are powers of two); a decode step has 16 to 64. A shape whose ``n`` or ``k`` the config does not divide falls back to the reference.
 Runs in Pallas's interpreter on the CPU (``interpret=True``: the tests).
+
+Pallas's Triton lowering computes the weight ref's element offsets in int32: the kernel
+refuses a weight of more than ``fp8_gemm.TRITON_MAX_ELEMENTS`` elements (every layer's,
+where it reads a layer of the stack), which ``Fp8GemmChoice`` sends to the Mosaic kernel.
 """
 
 from __future__ import annotations
