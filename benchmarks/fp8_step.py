@@ -10,7 +10,7 @@ over repeated donated calls after a warm-up:
   (the weight bytes it reads over that rate);
 - ``--w8a16``: the decode steps again with the other decode GEMMs in place of the default
   (w8a16 on the Triton kernel): w8a8 on cuBLASLt's FP8 GEMM, and w8a16 on the Mosaic GPU
-  kernel;
+  kernel; and prefill's w8a8 on cuBLASLt's FP8 GEMM instead of the Mosaic kernel;
 - ``--check-reference``: each FP8 step's logits against the same step with XLA's reference
   GEMMs (``quantized_gemm="reference"``), which read each layer's weights sliced: a kernel
   that read the wrong layer, or the wrong memory, shows as a relative error near 1.
@@ -126,7 +126,8 @@ def main():
         variants.append(("fp8_kv", "fp8", "float8_e4m3fn", ("decode_64",), DEFAULT_CHOICE))
     if args.w8a16:
         variants += [("fp8_w8a8_cublas", "fp8", "bfloat16", decode, Fp8GemmChoice(w8a16_max_tokens=0)),
-                     ("fp8_w8a16_mosaic", "fp8", "bfloat16", decode, Fp8GemmChoice(triton_max_rows=0))]
+                     ("fp8_w8a16_mosaic", "fp8", "bfloat16", decode, Fp8GemmChoice(triton_max_rows=0)),
+                     ("fp8_w8a8_cublas", "fp8", "bfloat16", ("prefill_4096",), Fp8GemmChoice(cublas_max_rows=1 << 30))]
     weights = None
     for name, quantization, cache_dtype, cases_of, fp8_gemm in variants:
         if weights is None or weights.quantization != quantization:
