@@ -125,9 +125,9 @@ def main():
     if args.fp8_kv:
         variants.append(("fp8_kv", "fp8", "float8_e4m3fn", ("decode_64",), DEFAULT_CHOICE))
     if args.w8a16:
-        variants += [("fp8_w8a8_cublas", "fp8", "bfloat16", decode, Fp8GemmChoice(w8a16_max_tokens=0)),
-                     ("fp8_w8a16_mosaic", "fp8", "bfloat16", decode, Fp8GemmChoice(triton_max_rows=0)),
-                     ("fp8_w8a8_cublas", "fp8", "bfloat16", ("prefill_4096",), Fp8GemmChoice(cublas_max_rows=1 << 30))]
+        every_step_on_cublas = Fp8GemmChoice(w8a16_max_tokens=0, cublas_max_rows=1 << 30)
+        variants += [("fp8_w8a8_cublas", "fp8", "bfloat16", (*decode, "prefill_4096"), every_step_on_cublas),
+                     ("fp8_w8a16_mosaic", "fp8", "bfloat16", decode, Fp8GemmChoice(triton_max_rows=0))]
     weights = None
     for name, quantization, cache_dtype, cases_of, fp8_gemm in variants:
         if weights is None or weights.quantization != quantization:

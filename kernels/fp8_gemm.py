@@ -92,6 +92,16 @@ def quantize_rows(x: Float[Array, "m k"]) -> tuple[Float[Array, "m k"], Float[Ar
     return values, scale
 
 
+def stacked_layers(
+    values: Float[Array, "*layers n k"], scale: Float[Array, "*layers n"], layer: Int[Array, ""] | int | None
+) -> tuple[Float[Array, "layers n k"], Float[Array, "layers n"], Int[Array, "1"]]:
+    """``values`` and ``scale`` with a leading layer axis (one layer's get one), and the
+    layer as int32[1]: the operand by which the Pallas kernels read their layer in place."""
+    if layer is None:
+        return values[None], scale[None], jnp.zeros((1,), jnp.int32)
+    return values, scale, jnp.asarray(layer, jnp.int32).reshape(1)
+
+
 def _dequantized(values, scale):
     """``values * scale`` per row in float32, transposed to ``[k, n]``."""
     return (values.astype(jnp.float32) * scale[:, None]).T

@@ -183,14 +183,6 @@ def _rows_of_every_layer(values: Float[Array, "layers n k"]) -> Float[Array, "la
     return values.reshape(-1, values.shape[-1])
 
 
-def _stacked(values, scale, layer):
-    """``values`` and ``scale`` with a leading layer axis, and the layer as int32[1] (the
-    kernels' operand: they read their layer out of the stack in place)."""
-    if layer is None:
-        return values[None], scale[None], jnp.zeros((1,), jnp.int32)
-    return values, scale, jnp.asarray(layer, jnp.int32).reshape(1)
-
-
 def w8a16_matmul(
     x: Float[Array, "m k"],
     values: Float[Array, "*layers n k"],
@@ -202,7 +194,7 @@ def w8a16_matmul(
     """``(x @ values.T) * scale`` rounded once to ``x.dtype``, by the Mosaic GPU kernel
     (the reference where ``config`` does not divide ``n, k``). ``layer``: ``values`` and
     ``scale`` are every layer's, stacked, and the kernel reads this layer's in place."""
-    values, scale, layer = _stacked(values, scale, layer)
+    values, scale, layer = fp8_gemm.stacked_layers(values, scale, layer)
     m, k = x.shape
     n = values.shape[1]
     config = config or w8a16_config(n, k, m)
@@ -396,7 +388,7 @@ def w8a8_matmul(
     """``x`` quantized per row, then ``(xq @ values.T) * x_scale * scale`` rounded once
     to ``x.dtype``, by the Mosaic GPU kernel (the reference where ``config`` does not
     divide ``n, k``). ``layer`` as in :func:`w8a16_matmul`."""
-    values, scale, layer = _stacked(values, scale, layer)
+    values, scale, layer = fp8_gemm.stacked_layers(values, scale, layer)
     m, k = x.shape
     n = values.shape[1]
     config = config or w8a8_config(n, k, m)

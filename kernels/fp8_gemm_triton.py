@@ -109,13 +109,12 @@ def w8a16_matmul(
     if values.size > fp8_gemm.TRITON_MAX_ELEMENTS:
         raise ValueError(f"the Triton w8a16 kernel addresses its weights with 32-bit offsets: a weight of "
                          f"{values.size} elements (shape {values.shape}) needs the Mosaic GPU kernel")
-    if layer is None:
-        values, scale, layer = values[None], scale[None], 0
+    values, scale, layer = fp8_gemm.stacked_layers(values, scale, layer)
     m, k = x.shape
     n = values.shape[1]
     config = config or triton_w8a16_config(n, k, m)
     if not config.divides(n, k):
-        return fp8_gemm.w8a16_matmul_reference(x, values[layer], scale[layer])
+        return fp8_gemm.w8a16_matmul_reference(x, values[layer[0]], scale[layer[0]])
     m_pad = max(_MIN_DOT_M, 1 << (m - 1).bit_length())  # Triton's blocks are powers of two
     x_pad = x if m_pad == m else jnp.pad(x, ((0, m_pad - m), (0, 0)))
     split = config.split_k
@@ -133,7 +132,7 @@ def w8a16_matmul(
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=stages),
         interpret=interpret,
         name="fp8_w8a16_matmul",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), x_pad, values, scale)
+    )(layer, x_pad, values, scale)
     if scaled:
         return out[0, :m]
-    return (out.sum(axis=0)[:m] * scale[layer][None, :]).astype(x.dtype)
+    return (out.sum(axis=0)[:m] * scale[layer[0]][None, :]).astype(x.dtype)
