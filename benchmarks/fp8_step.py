@@ -45,7 +45,7 @@ from shiftjax.steps import make_step
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run with -P too
 from fp8_served import weight_bytes  # noqa: E402
-from roofline import read_ceiling  # noqa: E402
+from roofline import _device_events, kernel_breakdown, profile, read_ceiling  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "Llama-3.1-8B" / "config.json"
 PAGE = 16
@@ -65,6 +65,17 @@ def logits_against_reference(logits, reference_step, weights, caches, batch) -> 
     want = np.asarray(reference.logits, np.float64)
     return {"reference_rel_l2": float(np.linalg.norm(got - want) / np.linalg.norm(want)),
             "reference_argmax_agreement": float(np.mean(got.argmax(-1) == want.argmax(-1)))}
+
+
+def profiled_kernels(calls, count: int) -> dict | None:
+    """``calls()`` (``count`` steps) under the profiler: per step, the device's kernel time
+    by kind and its top kernels (None without a device trace)."""
+    data = profile(calls, 1, quiet=True)
+    events = [e for plane in (_device_events(data).values() if data else ()) for e in plane]
+    if not events:
+        return None
+    breakdown = kernel_breakdown(events, count, top=8)
+    return {"kernel_ms": sum(e[2] for e in events) * 1e-6 / count, **breakdown}
 
 
 def batch_for(tokens: int, seqs: int, context: int, new: int, max_pages: int):
@@ -97,6 +108,8 @@ def main():
                         help="compile with the served engine's XLA options (serving/engine/compile.py)")
     parser.add_argument("--check-reference", action="store_true",
                         help="compare each FP8 step's logits with the reference GEMMs' (relative L2, argmax)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also each step's device kernels under the profiler (by kind and the top ones)")
     parser.add_argument("--smoke", action="store_true",
                         help="the CPU: the default model's shape, 2 layers, short contexts, the reference attention")
     parser.add_argument("--out", type=Path, required=True)
@@ -162,6 +175,13 @@ def main():
                     times.append(time.perf_counter() - started)
                 run = {"ms_median": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times),
                        "first_call_s": round(compile_s, 1), "finite": bool(np.isfinite(np.asarray(out.logits)).all())}
+                if args.profile:
+                    def calls(count=3):
+                        nonlocal caches
+                        for _ in range(count):
+                            step_out, caches = run_step(weights.tp, caches, batch)
+                        jax.block_until_ready(step_out.packed)
+                    run["device"] = profiled_kernels(calls, 3)
                 if reference_step is not None:
                     run.update(logits_against_reference(out.logits, reference_step, weights, caches, batch))
                 if case.startswith("decode"):

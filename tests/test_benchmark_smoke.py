@@ -55,11 +55,14 @@ SCRIPTS = {"shift_x2.py": (["--smoke", "--engine-variants", "shipped,in_step_sam
            "fp8_kv_attention.py": (["--smoke"], "fp8_kv_attention.json"),
            "fp8_step.py": (["--smoke"], "fp8_step.json"),
            "fp8_accuracy.py": (["--smoke"], "fp8_accuracy.json"),
-           "fp8_served.py": (["--smoke", "--deployments", "bf16,fp8_kv"], "fp8_served.json")}
+           "fp8_served.py": (["--smoke", "--deployments", "bf16,fp8_kv"], "fp8_served.json"),
+           "fp8_served_anatomy.py": (["--smoke", "--quantization", "fp8", "--decode-steps", "5", "--profiled", "2"],
+                                     "anatomy_fp8.json"),
+           "remat_check.py": (["--smoke"], "remat_fp8.json")}
 # restore_gpu.py --smoke runs in tests/test_sharded_restore.py, which checks its phases' results
 SMOKED_ELSEWHERE = {"restore_gpu.py"}
 SLOW = {"shift_x2.py", "x8_checks.py", "hostile_clients.py", "speculative_acceptance.py", "speculative_served.py",
-        "fp8_served.py"}  # about a minute of wall clock each on a 2-core machine
+        "fp8_served.py", "fp8_served_anatomy.py"}  # about a minute of wall clock each on a 2-core machine
 
 
 def run(cmd, env_extra=None, timeout=900, cwd=ROOT):
@@ -168,6 +171,14 @@ def test_script_smoke(script, tmp_path):
     output = run([sys.executable, f"benchmarks/{script}", *args, "--out", str(tmp_path), *extra])
     data = json.loads((tmp_path / result).read_text())
     assert data, output[-2000:]
+    if script == "fp8_served_anatomy.py":  # the prompt ran as one 64-token step, decode in 16-token ones
+        assert data["ttft"]["executables"] == {"tp/64/1": 1}, data["ttft"]
+        assert data["decode"]["executables"] == {"tp/16/1": 2}, data["decode"]
+    if script == "remat_check.py":  # every variant compiled and ran; the engine's options remat nothing
+        variants = data["variants"]
+        assert set(variants) == {"small_cache", "full_cache_xla_default", "full_cache_compiled_first", "full_cache"}
+        assert all("ms_median" in row for row in variants.values()), variants
+        assert variants["full_cache"]["remat_instructions"] == 0, variants
     if script == "sp_exchange.py":  # the exchanges change transfers, not the arithmetic
         assert all(data[name]["logits_equal_shipped"] for name in ("permute1", "permute2")), output[-2000:]
     if script == "one_shot_all_reduce.py":  # (psum alone on the CPU) both devices hold the same sum

@@ -429,8 +429,9 @@ def test_gemm_backend_options():
     """Who runs the GEMMs is an XLA compile option on GPUs only, one for every step of an
     engine (TP and SP steps must do the same arithmetic); cuBLAS unless asked."""
     cublas = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_graph_min_graph_size": 1}
-    assert compiling.xla_compiler_options(StepOptions(gemm="triton"), "gpu") is None
-    assert compiling.xla_compiler_options(StepOptions(gemm="cublas"), "gpu") == cublas
+    no_remat = {"xla_disable_hlo_passes": "rematerialization"}
+    assert compiling.xla_compiler_options(StepOptions(gemm="triton"), "gpu") == no_remat
+    assert compiling.xla_compiler_options(StepOptions(gemm="cublas"), "gpu") == {**no_remat, **cublas}
     assert all(compiling.xla_compiler_options(StepOptions(gemm=gemm), "cpu") is None for gemm in GEMM_BACKENDS)
     with pytest.raises(ValueError, match="gemm must be one of"):
         StepOptions(gemm="cutlass")

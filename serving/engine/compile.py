@@ -48,20 +48,30 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+# XLA's GPU rematerialization takes as its memory budget 80% of the device (or the
+# allocator's limit) less the program's inputs and outputs, which a KV cache filling the GPU
+# leaves near zero: it then recomputed 63 of the Llama-3.1-8B FP8 prefill step's 128 GEMMs
+# (113.5 ms against 80.8 ms; bf16 107.5 against 105.4) without lowering its temporaries
+# (1.34 GiB either way; benchmarks/README.md, "FP8 weights"). The page pool is sized from
+# the temporaries the steps measure under these same options, so it leaves them their room.
+NO_REMATERIALIZATION = {"xla_disable_hlo_passes": "rematerialization"}
+
+
 def xla_compiler_options(options: StepOptions, platform: str) -> dict | None:
     """XLA's compile options for every step on ``platform`` (a device's ``platform``).
 
-    ``gemm="triton"``: XLA's defaults (GEMMs by Triton fusions it autotunes).
-    ``gemm="cublas"``: on GPUs every GEMM calls cuBLAS, and XLA's command buffers (CUDA
-    graphs) take runs of any length between two collectives (by default five commands or
-    more; with cuBLAS, fewer fusions leave shorter runs, launched one by one). cuBLAS
-    compiles several times faster and serves batches faster; Triton decodes one sequence
-    a little faster (benchmarks/README.md, "Two GPUs"). ``options.xla_options`` come on
-    top, on every platform."""
+    On GPUs, no rematerialization (``NO_REMATERIALIZATION``). ``gemm="triton"``: otherwise
+    XLA's defaults (GEMMs by Triton fusions it autotunes). ``gemm="cublas"``: every GEMM
+    calls cuBLAS, and XLA's command buffers (CUDA graphs) take runs of any length between
+    two collectives (by default five commands or more; with cuBLAS, fewer fusions leave
+    shorter runs, launched one by one). cuBLAS compiles several times faster and serves
+    batches faster; Triton decodes one sequence a little faster (benchmarks/README.md,
+    "Two GPUs"). ``options.xla_options`` come on top, on every platform."""
     extra = dict(options.xla_options)
-    if platform != "gpu" or options.gemm == "triton":
+    if platform != "gpu":
         return extra or None
-    return {"xla_gpu_enable_triton_gemm": False, "xla_gpu_graph_min_graph_size": 1, **extra}
+    gemm = {} if options.gemm == "triton" else {"xla_gpu_enable_triton_gemm": False, "xla_gpu_graph_min_graph_size": 1}
+    return {**NO_REMATERIALIZATION, **gemm, **extra}
 
 
 def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, modes, options: StepOptions, *,

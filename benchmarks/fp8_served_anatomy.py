@@ -1,0 +1,158 @@
+"""Issue 28: where the served engine's time goes with FP8 weights and with bf16, kernel by
+kernel, for the two loads of ``fp8_served.py`` that missed their targets: the TTFT of a
+4,096-token prompt and decode at one sequence.
+
+The engine is built in this process exactly as ``shiftjax serve`` builds it, from the same
+arguments (``fp8_served.SERVE_8B``, dummy weights of the Llama-3.1-8B shape), and driven
+through :class:`~shiftjax.serving.engine.llm.LLM` (no gRPC: its cost is the same for both
+weights). Per deployment:
+
+- ``ttft``: wall time of ``generate`` of a 4,096-token prompt with ``max_tokens=1``
+  (``--prompts`` distinct prompts, no prefix hits), and under the profiler one more: the
+  executables it ran (``(mode, tokens, seqs)`` and how often), every kernel's device time
+  summed by name and by kind, the device's busy time and its window;
+- ``decode``: one sequence of a 1,024-token prompt decoding; ``--decode-steps`` engine steps
+  timed by wall clock, the last ``--profiled`` of them profiled the same way.
+
+    python3 -P benchmarks/fp8_served_anatomy.py --quantization fp8 --out DIR    # the H200
+    python benchmarks/fp8_served_anatomy.py --smoke --quantization fp8 --out DIR  # the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run with -P too
+from fp8_served import CONFIGS, SERVE_8B, prompts_of  # noqa: E402
+from roofline import _device_events, kernel_breakdown, profile  # noqa: E402
+
+
+def engine_arguments(quantization: str, smoke: bool, extra: list[str]) -> list[str]:
+    """``shiftjax serve``'s engine arguments for this deployment, ``extra`` last (they win)."""
+    return [*_deployment_arguments(quantization, smoke), *extra]
+
+
+def _deployment_arguments(quantization: str, smoke: bool) -> list[str]:
+    if smoke:
+        return ["--model", "default", "--cpu-devices", "1", "--max-model-len", "256", "--max-num-seqs", "2",
+                "--max-num-batched-tokens", "64", "--token-buckets", "16,64", "--seq-buckets", "1,2",
+                "--num-pages", "40", "--quantization", quantization, "--no-compilation-cache"]
+    return ["--model", str(CONFIGS / "Llama-3.1-8B" / "config.json"), "--load-format", "dummy", "--dtype", "bfloat16",
+            "--tokenizer", str(CONFIGS / "smollm2-tokenizer"), *SERVE_8B, "--quantization", quantization]
+
+
+def counting(executables) -> collections.Counter:
+    """Counts each compiled step's runs from now on (by its ``(mode, tokens, seqs)`` key)."""
+    runs = collections.Counter()
+    for key, fn in dict(executables.compiled).items():
+        def counted(*args, _key=key, _fn=fn, **kwargs):
+            runs[_key] += 1
+            return _fn(*args, **kwargs)
+        executables.compiled[key] = counted
+    return runs
+
+
+def device_summary(fn, runs: collections.Counter, top: int) -> dict:
+    """``fn()`` once under the profiler: the executables it ran, its kernels' device time by
+    kind and the ``top`` kernels, and each device's busy time over its window."""
+    before = collections.Counter(runs)
+    data = profile(fn, 1)
+    ran = {"/".join(map(str, key)): count for key, count in (runs - before).items()}
+    if data is None:
+        return {"executables": ran, "profile": None}
+    planes = {name: events for name, events in _device_events(data).items() if events}
+    out = {"executables": ran, "devices": {}}
+    for name, events in planes.items():
+        events.sort()
+        busy, end = 0, events[0][0]
+        for start, stop, *_ in events:
+            busy += max(stop - max(start, end), 0)
+            end = max(end, stop)
+        out["devices"][name] = {"window_ms": (end - events[0][0]) * 1e-6, "busy_ms": busy * 1e-6,
+                                "kernels": len(events), **kernel_breakdown(events, 1, top=top)}
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quantization", choices=("none", "fp8"), required=True)
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--decode-steps", type=int, default=40)
+    parser.add_argument("--profiled", type=int, default=8)
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--engine-args", default="", help="more serve arguments, space-separated (e.g. --num-pages 4000)")
+    parser.add_argument("--label", default="", help="added to the result file's name")
+    parser.add_argument("--smoke", action="store_true", help="the CPU: the default model, tiny prompts")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    from shiftjax.serving.engine.engine_args import add_engine_arguments, build_llm, configure_jax
+    from shiftjax.serving.engine.sampling_params import SamplingParams
+
+    engine_parser = argparse.ArgumentParser()
+    add_engine_arguments(engine_parser)
+    arguments = engine_arguments(args.quantization, args.smoke, args.engine_args.split())
+    engine_args = engine_parser.parse_args(arguments)
+    configure_jax(engine_args)
+    started = time.perf_counter()
+    llm = build_llm(engine_args)
+    result = {"quantization": args.quantization, "arguments": arguments,
+              "startup_s": round(time.perf_counter() - started, 1)}
+    runs = counting(llm.engine.executables)
+    prompt_len, decode_prompt = (60, 20) if args.smoke else (4096, 1024)
+    prompts = prompts_of(args.prompts + 2, prompt_len, 4096, 49152)
+
+    # TTFT: a prompt alone, one token out (the first prompt warms the host path)
+    one_token = SamplingParams(max_tokens=1, ignore_eos=True)
+    llm.generate([prompts[0]], one_token)
+    seconds = []
+    for prompt in prompts[1:1 + args.prompts]:
+        begin = time.perf_counter()
+        llm.generate([prompt], one_token)
+        seconds.append(time.perf_counter() - begin)
+    result["ttft"] = {"prompt_tokens": prompt_len, "wall_ms": [round(1e3 * s, 3) for s in seconds],
+                      "wall_ms_median": round(1e3 * statistics.median(seconds), 3),
+                      **device_summary(lambda: llm.generate([prompts[-1]], one_token), runs, args.top)}
+    print("ttft", json.dumps({k: v for k, v in result["ttft"].items() if k != "devices"}), flush=True)
+
+    # decode: one sequence, engine steps one at a time
+    engine = llm.engine
+    request = engine.add_request(prompts_of(1, decode_prompt, 1024, 49152)[0],
+                                 SamplingParams(max_tokens=args.decode_steps + 16, ignore_eos=True))
+    while not request.output_ids:
+        engine.step()
+    steps = []
+    for _ in range(args.decode_steps - args.profiled):
+        begin = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - begin)
+    steady = steps[2:]
+
+    def profiled_steps():
+        for _ in range(args.profiled):
+            engine.step()
+
+    decode = device_summary(profiled_steps, runs, args.top)
+    for device in decode.get("devices", {}).values():  # per step
+        for table in ("by_kind", "top_kernels"):
+            for entry in device[table].values():
+                entry["ms"] /= args.profiled
+                entry["count"] /= args.profiled
+    result["decode"] = {"prompt_tokens": decode_prompt, "step_wall_ms_median": round(1e3 * statistics.median(steady), 3),
+                        "profiled_steps": args.profiled, **decode}
+    engine.abort(request)
+    while engine.run_step() is not None:
+        pass
+    print("decode", json.dumps({k: v for k, v in result["decode"].items() if k != "devices"}), flush=True)
+    (args.out / f"anatomy_{args.quantization}{args.label}.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
