@@ -67,6 +67,18 @@ def logits_against_reference(logits, reference_step, weights, caches, batch) -> 
             "reference_argmax_agreement": float(np.mean(got.argmax(-1) == want.argmax(-1)))}
 
 
+def timed_steps(run_step, params, caches, batch, iterations: int):
+    """Seconds of each of ``iterations`` donated calls of ``run_step`` (synchronised on the
+    packed result), the last call's output, and the caches it returned."""
+    times = []
+    for _ in range(iterations):
+        started = time.perf_counter()
+        out, caches = run_step(params, caches, batch)
+        jax.block_until_ready(out.packed)
+        times.append(time.perf_counter() - started)
+    return times, out, caches
+
+
 def profiled_kernels(calls, count: int) -> dict | None:
     """``calls()`` (``count`` steps) under the profiler: per step, the device's kernel time
     by kind and its top kernels (None without a device trace)."""
@@ -167,12 +179,7 @@ def main():
                 out, caches = run_step(weights.tp, caches, batch)
                 jax.block_until_ready(out.packed)
                 compile_s = time.perf_counter() - started
-                times = []
-                for _ in range(args.iterations):
-                    started = time.perf_counter()
-                    out, caches = run_step(weights.tp, caches, batch)
-                    jax.block_until_ready(out.packed)
-                    times.append(time.perf_counter() - started)
+                times, out, caches = timed_steps(run_step, weights.tp, caches, batch, args.iterations)
                 run = {"ms_median": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times),
                        "first_call_s": round(compile_s, 1), "finite": bool(np.isfinite(np.asarray(out.logits)).all())}
                 if args.profile:

@@ -41,7 +41,7 @@ from pathlib import Path
 import jax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run with -P too
-from fp8_step import CONFIG, PAGE, batch_for  # noqa: E402
+from fp8_step import CONFIG, PAGE, batch_for, timed_steps  # noqa: E402
 
 from shiftjax.cache import CacheGeometry  # noqa: E402
 from shiftjax.checkpoints.dummy import dummy_weights  # noqa: E402
@@ -111,14 +111,8 @@ def main():
                 caches = geometry.allocate(mesh, pages)
                 compiled = step.lower(weights.tp, caches, batch).compile(variant_options)
             row = {"pages": pages, "compile_s": round(time.perf_counter() - started, 1), **hlo_counts(compiled)}
-            out, caches = compiled(weights.tp, caches, batch)
-            jax.block_until_ready(out.packed)
-            times = []
-            for _ in range(args.iterations):
-                started = time.perf_counter()
-                out, caches = compiled(weights.tp, caches, batch)
-                jax.block_until_ready(out.packed)
-                times.append(time.perf_counter() - started)
+            _, _, caches = timed_steps(compiled, weights.tp, caches, batch, 1)  # the first run
+            times, _, caches = timed_steps(compiled, weights.tp, caches, batch, args.iterations)
             row["ms_median"] = 1e3 * statistics.median(times)
             del caches, compiled
         except Exception as error:  # noqa: BLE001 - a variant that fails is a finding
