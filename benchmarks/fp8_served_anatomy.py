@@ -9,8 +9,8 @@ weights). Per deployment:
 
 - ``ttft``: wall time of ``generate`` of a 4,096-token prompt with ``max_tokens=1``
   (``--prompts`` distinct prompts, no prefix hits), and under the profiler one more: the
-  executables it ran (``(mode, tokens, seqs)`` and how often), every kernel's device time
-  summed by name and by kind, the device's busy time and its window;
+  executables it ran (``(mode, tokens, seqs)`` and how often), its kernels' device time by
+  kind and the top kernels, the device's window and the fraction of it left idle;
 - ``decode``: one sequence of a 1,024-token prompt decoding; ``--decode-steps`` engine steps
   timed by wall clock, the last ``--profiled`` of them profiled the same way.
 
@@ -31,21 +31,19 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run with -P too
 from fp8_served import CONFIGS, SERVE_8B, prompts_of  # noqa: E402
-from roofline import _device_events, kernel_breakdown, profile  # noqa: E402
+from roofline import device_idle  # noqa: E402
 
 
 def engine_arguments(quantization: str, smoke: bool, extra: list[str]) -> list[str]:
     """``shiftjax serve``'s engine arguments for this deployment, ``extra`` last (they win)."""
-    return [*_deployment_arguments(quantization, smoke), *extra]
-
-
-def _deployment_arguments(quantization: str, smoke: bool) -> list[str]:
     if smoke:
-        return ["--model", "default", "--cpu-devices", "1", "--max-model-len", "256", "--max-num-seqs", "2",
-                "--max-num-batched-tokens", "64", "--token-buckets", "16,64", "--seq-buckets", "1,2",
-                "--num-pages", "40", "--quantization", quantization, "--no-compilation-cache"]
-    return ["--model", str(CONFIGS / "Llama-3.1-8B" / "config.json"), "--load-format", "dummy", "--dtype", "bfloat16",
-            "--tokenizer", str(CONFIGS / "smollm2-tokenizer"), *SERVE_8B, "--quantization", quantization]
+        deployment = ["--model", "default", "--cpu-devices", "1", "--max-model-len", "256", "--max-num-seqs", "2",
+                      "--max-num-batched-tokens", "64", "--token-buckets", "16,64", "--seq-buckets", "1,2",
+                      "--num-pages", "40", "--no-compilation-cache"]
+    else:
+        deployment = ["--model", str(CONFIGS / "Llama-3.1-8B" / "config.json"), "--load-format", "dummy",
+                      "--dtype", "bfloat16", "--tokenizer", str(CONFIGS / "smollm2-tokenizer"), *SERVE_8B]
+    return [*deployment, "--quantization", quantization, *extra]
 
 
 def counting(executables) -> collections.Counter:
@@ -59,25 +57,14 @@ def counting(executables) -> collections.Counter:
     return runs
 
 
-def device_summary(fn, runs: collections.Counter, top: int) -> dict:
-    """``fn()`` once under the profiler: the executables it ran, its kernels' device time by
-    kind and the ``top`` kernels, and each device's busy time over its window."""
+def device_summary(fn, calls: int, runs: collections.Counter) -> dict:
+    """``calls`` calls of ``fn()`` under the profiler: the executables they ran, and per
+    device ``roofline.device_idle``'s window, idle fraction and kernel time by kind and by
+    kernel (per call)."""
     before = collections.Counter(runs)
-    data = profile(fn, 1)
-    ran = {"/".join(map(str, key)): count for key, count in (runs - before).items()}
-    if data is None:
-        return {"executables": ran, "profile": None}
-    planes = {name: events for name, events in _device_events(data).items() if events}
-    out = {"executables": ran, "devices": {}}
-    for name, events in planes.items():
-        events.sort()
-        busy, end = 0, events[0][0]
-        for start, stop, *_ in events:
-            busy += max(stop - max(start, end), 0)
-            end = max(end, stop)
-        out["devices"][name] = {"window_ms": (end - events[0][0]) * 1e-6, "busy_ms": busy * 1e-6,
-                                "kernels": len(events), **kernel_breakdown(events, 1, top=top)}
-    return out
+    devices = device_idle(fn, calls)
+    return {"executables": {"/".join(map(str, key)): count for key, count in (runs - before).items()},
+            "devices": devices}
 
 
 def main():
@@ -86,7 +73,6 @@ def main():
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--decode-steps", type=int, default=40)
     parser.add_argument("--profiled", type=int, default=8)
-    parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--engine-args", default="", help="more serve arguments, space-separated (e.g. --num-pages 4000)")
     parser.add_argument("--label", default="", help="added to the result file's name")
     parser.add_argument("--smoke", action="store_true", help="the CPU: the default model, tiny prompts")
@@ -119,7 +105,7 @@ def main():
         seconds.append(time.perf_counter() - begin)
     result["ttft"] = {"prompt_tokens": prompt_len, "wall_ms": [round(1e3 * s, 3) for s in seconds],
                       "wall_ms_median": round(1e3 * statistics.median(seconds), 3),
-                      **device_summary(lambda: llm.generate([prompts[-1]], one_token), runs, args.top)}
+                      **device_summary(lambda: llm.generate([prompts[-1]], one_token), 1, runs)}
     print("ttft", json.dumps({k: v for k, v in result["ttft"].items() if k != "devices"}), flush=True)
 
     # decode: one sequence, engine steps one at a time
@@ -134,17 +120,7 @@ def main():
         engine.step()
         steps.append(time.perf_counter() - begin)
     steady = steps[2:]
-
-    def profiled_steps():
-        for _ in range(args.profiled):
-            engine.step()
-
-    decode = device_summary(profiled_steps, runs, args.top)
-    for device in decode.get("devices", {}).values():  # per step
-        for table in ("by_kind", "top_kernels"):
-            for entry in device[table].values():
-                entry["ms"] /= args.profiled
-                entry["count"] /= args.profiled
+    decode = device_summary(engine.step, args.profiled, runs)
     result["decode"] = {"prompt_tokens": decode_prompt, "step_wall_ms_median": round(1e3 * statistics.median(steady), 3),
                         "profiled_steps": args.profiled, **decode}
     engine.abort(request)

@@ -45,7 +45,7 @@ from shiftjax.steps import make_step
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run with -P too
 from fp8_served import weight_bytes  # noqa: E402
-from roofline import _device_events, kernel_breakdown, profile, read_ceiling  # noqa: E402
+from roofline import device_idle, read_ceiling  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "Llama-3.1-8B" / "config.json"
 PAGE = 16
@@ -77,17 +77,6 @@ def timed_steps(run_step, params, caches, batch, iterations: int):
         jax.block_until_ready(out.packed)
         times.append(time.perf_counter() - started)
     return times, out, caches
-
-
-def profiled_kernels(calls, count: int) -> dict | None:
-    """``calls()`` (``count`` steps) under the profiler: per step, the device's kernel time
-    by kind and its top kernels (None without a device trace)."""
-    data = profile(calls, 1, quiet=True)
-    events = [e for plane in (_device_events(data).values() if data else ()) for e in plane]
-    if not events:
-        return None
-    breakdown = kernel_breakdown(events, count, top=8)
-    return {"kernel_ms": sum(e[2] for e in events) * 1e-6 / count, **breakdown}
 
 
 def batch_for(tokens: int, seqs: int, context: int, new: int, max_pages: int):
@@ -182,13 +171,11 @@ def main():
                 times, out, caches = timed_steps(run_step, weights.tp, caches, batch, args.iterations)
                 run = {"ms_median": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times),
                        "first_call_s": round(compile_s, 1), "finite": bool(np.isfinite(np.asarray(out.logits)).all())}
-                if args.profile:
-                    def calls(count=3):
+                if args.profile:  # per step, by device: kernel time by kind, the top kernels, idle time
+                    def one_step():
                         nonlocal caches
-                        for _ in range(count):
-                            step_out, caches = run_step(weights.tp, caches, batch)
-                        jax.block_until_ready(step_out.packed)
-                    run["device"] = profiled_kernels(calls, 3)
+                        _, _, caches = timed_steps(run_step, weights.tp, caches, batch, 1)
+                    run["device"] = device_idle(one_step, 3)
                 if reference_step is not None:
                     run.update(logits_against_reference(out.logits, reference_step, weights, caches, batch))
                 if case.startswith("decode"):
