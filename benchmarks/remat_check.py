@@ -73,6 +73,9 @@ def main():
                         help="the CPU: the default model's shape, 2 layers, 64 tokens, the reference attention")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(sorted(unknown))}; the variants are {', '.join(VARIANTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     config_path, tokens, attention, small_pages = CONFIG, 4096, "pallas", 2000
     if args.smoke:
