@@ -21,6 +21,7 @@ and XLA's cuBLASLt FP8 GEMM where :class:`Fp8GemmChoice` says it was measured fa
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -82,7 +83,23 @@ class Fp8GemmChoice:
 DEFAULT_CHOICE = Fp8GemmChoice()
 
 
-def quantize_rows(x: Float[Array, "m k"]) -> tuple[Float[Array, "m k"], Float[Array, "m"]]:
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "scale"], meta_fields=["dtype"])
+@dataclasses.dataclass(frozen=True)
+class QuantizedRows:
+    """A ``w8a8`` GEMM's activations already quantized per row (``quantize_rows``'s
+    result), as the fused kernels of :mod:`fp8_rows` make them; ``dtype``: the activations'
+    own, which the product is rounded to."""
+
+    values: Float[Array, "*rows k"]  # float8_e4m3fn
+    scale: Float[Array, "*rows"]  # float32
+    dtype: jnp.dtype = jnp.bfloat16
+
+    @classmethod
+    def of(cls, x: Float[Array, "*rows k"]) -> QuantizedRows:
+        return cls(*quantize_rows(x), dtype=x.dtype)
+
+
+def quantize_rows(x: Float[Array, "*rows k"]) -> tuple[Float[Array, "*rows k"], Float[Array, "*rows"]]:
     """Each row of ``x`` in e4m3 with its float32 scale (absmax / 448); an all-zero row
     gets scale 1 (its values are zeros)."""
     x32 = x.astype(jnp.float32)
@@ -128,24 +145,30 @@ def w8a8_matmul_reference(
     rounded once to ``x.dtype`` (scales on the operands, as in :func:`w8a16_matmul_reference`).
     e4m3 values and their products are exact in float32, so a tensor-core kernel that
     scales its accumulator differs from this by float32 roundings only."""
-    xq, x_scale = quantize_rows(x)
-    x_dequantized = xq.astype(jnp.float32) * x_scale[:, None]
+    return w8a8_quantized_matmul_reference(QuantizedRows.of(x), values, scale)
+
+
+def w8a8_quantized_matmul_reference(
+    x: QuantizedRows, values: Float[Array, "n k"], scale: Float[Array, "n"]
+) -> Float[Array, "m n"]:
+    """:func:`w8a8_matmul_reference` of activations quantized already."""
+    x_dequantized = x.values.astype(jnp.float32) * x.scale[:, None]
     acc = jnp.dot(x_dequantized, _dequantized(values, scale), preferred_element_type=jnp.float32)
     return acc.astype(x.dtype)
 
 
 def w8a8_matmul_cublas(
-    x: Float[Array, "m k"], values: Float[Array, "n k"], scale: Float[Array, "n"]
+    x: Float[Array, "m k"] | QuantizedRows, values: Float[Array, "n k"], scale: Float[Array, "n"]
 ) -> Float[Array, "m n"]:
     """``w8a8`` as XLA's e4m3 x e4m3 dot with a float32 result (cuBLASLt's FP8 GEMM on
     Hopper), the scales applied to the float32 product, rounded once to ``x.dtype``."""
-    xq, x_scale = quantize_rows(x)
-    acc = jax.lax.dot_general(xq, values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return (acc * x_scale[:, None] * scale[None, :]).astype(x.dtype)
+    quantized = x if isinstance(x, QuantizedRows) else QuantizedRows.of(x)
+    acc = jax.lax.dot_general(quantized.values, values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (acc * quantized.scale[:, None] * scale[None, :]).astype(quantized.dtype)
 
 
 def fp8_matmul(
-    x: Float[Array, "m k"],
+    x: Float[Array, "m k"] | QuantizedRows,
     values: Float[Array, "*layers n k"],
     scale: Float[Array, "*layers n"],
     *,
@@ -159,12 +182,17 @@ def fp8_matmul(
     or ``pallas``, the GPU kernels ``choice`` picks for this many rows. ``layer``:
     ``values`` and ``scale`` hold every layer, and the product uses this one's; the Pallas
     kernels read it in place, XLA's dots (the reference, cuBLASLt's) take it sliced, which
-    on a GPU copies it first."""
+    on a GPU copies it first. ``x`` may be :class:`QuantizedRows` (``w8a8`` only): the
+    activations quantized already, by a kernel fused with the op that made them."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {', '.join(_IMPLEMENTATIONS)}, got {implementation!r}")
-    kernel = choice.kernel(algorithm, x.shape[0], values.size) if implementation == "pallas" else "reference"
+    quantized = isinstance(x, QuantizedRows)
+    if quantized and algorithm != "w8a8":
+        raise ValueError(f"activations quantized per row are w8a8's operand, not {algorithm}'s")
+    rows = (x.values if quantized else x).shape[0]
+    kernel = choice.kernel(algorithm, rows, values.size) if implementation == "pallas" else "reference"
     if kernel == "triton":
         from . import fp8_gemm_triton  # GPU lowering only when asked
 
@@ -179,6 +207,8 @@ def fp8_matmul(
         scale = jax.lax.dynamic_index_in_dim(scale, layer, keepdims=False)
     if kernel == "cublas":
         return w8a8_matmul_cublas(x, values, scale)
+    if quantized:
+        return w8a8_quantized_matmul_reference(x, values, scale)
     reference = w8a16_matmul_reference if algorithm == "w8a16" else w8a8_matmul_reference
     return reference(x, values, scale)
 

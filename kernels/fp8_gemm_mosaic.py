@@ -378,7 +378,7 @@ def _w8a8_gemm_one_warpgroup(
 
 
 def w8a8_matmul(
-    x: Float[Array, "m k"],
+    x: Float[Array, "m k"] | fp8_gemm.QuantizedRows,
     values: Float[Array, "*layers n k"],
     scale: Float[Array, "*layers n"],
     config: W8A8Config | None = None,
@@ -386,17 +386,29 @@ def w8a8_matmul(
     layer: Int[Array, ""] | int | None = None,
 ) -> Float[Array, "m n"]:
     """``x`` quantized per row, then ``(xq @ values.T) * x_scale * scale`` rounded once
-    to ``x.dtype``, by the Mosaic GPU kernel (the reference where ``config`` does not
-    divide ``n, k``). ``layer`` as in :func:`w8a16_matmul`."""
+    to bf16 (then to the activations' dtype), by the Mosaic GPU kernel (the reference where ``config`` does not divide
+    ``n, k``). ``x`` quantized already (:class:`fp8_gemm.QuantizedRows`) is taken as it is;
+    bf16 ``x`` is quantized by :func:`fp8_rows.quantized`'s one-pass kernel. ``layer`` as
+    in :func:`w8a16_matmul`."""
+    from . import fp8_rows  # Triton lowering only when asked
+
     values, scale, layer = fp8_gemm.stacked_layers(values, scale, layer)
-    m, k = x.shape
+    quantized = x if isinstance(x, fp8_gemm.QuantizedRows) else None
+    m, k = (quantized.values if quantized else x).shape
     n = values.shape[1]
     config = config or w8a8_config(n, k, m)
     layer_scale = scale[layer[0]]  # n floats: XLA's copy of them costs nothing
     if not config.divides(n, k):
+        if quantized:
+            return fp8_gemm.w8a8_quantized_matmul_reference(quantized, values[layer[0]], layer_scale)
         return fp8_gemm.w8a8_matmul_reference(x, values[layer[0]], layer_scale)
+    if quantized is None:
+        quantized = fp8_gemm.QuantizedRows(*fp8_rows.quantized(x, implementation="pallas"), dtype=x.dtype)
     m_pad = -(-m // config.cta_m) * config.cta_m
-    xq, x_scale = fp8_gemm.quantize_rows(jnp.pad(x, ((0, m_pad - m), (0, 0))))
+    xq, x_scale = quantized.values, quantized.scale
+    if m_pad != m:  # zero rows with scale 1, as quantize_rows makes them
+        xq = jnp.pad(xq, ((0, m_pad - m), (0, 0)))
+        x_scale = jnp.pad(x_scale, (0, m_pad - m), constant_values=1.0)
     gemm = _w8a8_gemm if config.warp_specialized else _w8a8_gemm_one_warpgroup
     out = gemm(xq, x_scale, values, layer_scale, layer, config)
-    return out[:m].astype(x.dtype)
+    return out[:m].astype(quantized.dtype)

@@ -27,16 +27,18 @@ from jaxtyping import Array, Float
 from shiftjax.batch import StepBatch
 from shiftjax.kernels import AttentionMetadata, apply_rope, ragged_paged_attention, write_qkv_to_cache
 from shiftjax.kernels.collectives import all_reduce, all_to_all, psum_reference
-from shiftjax.kernels.fp8_gemm import DEFAULT_CHOICE, Fp8GemmChoice, fp8_matmul
+from shiftjax.kernels.fp8_gemm import DEFAULT_CHOICE, Fp8GemmChoice, QuantizedRows, fp8_matmul
+from shiftjax.kernels.fp8_rows import rms_norm_quantized, rms_norm_reference, swiglu_quantized, swiglu_reference
 from shiftjax.layouts.mesh import HEAD_AXES, SP, TP
 from shiftjax.quantization import Fp8Weight
 from shiftjax.weights import LayerWeights, LocalDims
 
 
 def rms_norm(x: Float[Array, "tokens d"], weight: Float[Array, "d"], eps: float) -> Float[Array, "tokens d"]:
-    x32 = x.astype(jnp.float32)
-    normed = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * normed.astype(x.dtype)
+    """Float32 statistics, the normalized row in ``x.dtype`` times the weight. The arithmetic
+    is ``kernels.fp8_rows``'s reference, beside the kernel that fuses it with w8a8's
+    quantization, so the two cannot drift apart."""
+    return rms_norm_reference(x, weight, eps)
 
 
 def psum_head_axes(x, implementation: str = "xla"):
@@ -107,13 +109,11 @@ def attention_core(
 
 def tp_layer(x, w: LayerWeights, k_cache, v_cache, layer, ctx: Context):
     """One layer in TP mode: all tokens, this device's head block and FFN block."""
-    h = rms_norm(x, w.attn_norm, ctx.eps)
-    qkv = matmul(h, w.wqkv, ctx)
+    qkv = matmul(normed_for(x, w.attn_norm, w.wqkv, ctx), w.wqkv, ctx)
     attn, k_cache, v_cache = attention_core(qkv, w.bqkv, k_cache, v_cache, layer, ctx)
     x = x + psum_head_axes(matmul(attn, w.wo, ctx), ctx.all_reduce)
-    h = rms_norm(x, w.mlp_norm, ctx.eps)
-    gate_up = matmul(h, w.w_gate_up, ctx)
-    act = _swiglu(gate_up, ctx.dims.ffn)
+    gate_up = matmul(normed_for(x, w.mlp_norm, w.w_gate_up, ctx), w.w_gate_up, ctx)
+    act = swiglu_for(gate_up, w.w_down, ctx.dims.ffn, ctx)
     x = x + psum_head_axes(matmul(act, w.w_down, ctx), ctx.all_reduce)
     return x, k_cache, v_cache
 
@@ -122,8 +122,7 @@ def sp_layer(x, w: LayerWeights, k_cache, v_cache, layer, ctx: Context):
     """One layer in SP mode: local tokens through the whole TP shard, Ulysses attention."""
     dims = ctx.dims
     local_tokens = x.shape[0]
-    h = rms_norm(x, w.attn_norm, ctx.eps)
-    qkv = _column_blocks(h, w.wqkv, dims.sp, ctx)  # [local_tokens, sp, qkv]
+    qkv = _column_blocks(normed_for(x, w.attn_norm, w.wqkv, ctx), w.wqkv, dims.sp, ctx)  # [local_tokens, sp, qkv]
     # One all-to-all for q, k and v: split head blocks over sp, gather all tokens.
     qkv = all_to_all(qkv, SP, 1, ctx.all_to_all, ctx.first_ordinal)
     attn, k_cache, v_cache = attention_core(qkv[:, 0], w.bqkv, k_cache, v_cache, layer, ctx)
@@ -132,19 +131,46 @@ def sp_layer(x, w: LayerWeights, k_cache, v_cache, layer, ctx: Context):
     attn = all_to_all(attn, SP, 0, ctx.all_to_all, ctx.first_ordinal)
     attn = jnp.swapaxes(attn, 0, 1)  # [local_tokens, sp, q_width]
     x = x + all_reduce(_row_blocks(attn, w.wo, ctx), (TP,), ctx.all_reduce)
-    h = rms_norm(x, w.mlp_norm, ctx.eps)
-    gate_up = _column_blocks(h, w.w_gate_up, dims.sp, ctx)
-    act = _swiglu(gate_up, dims.ffn)
+    gate_up = _column_blocks(normed_for(x, w.mlp_norm, w.w_gate_up, ctx), w.w_gate_up, dims.sp, ctx)
+    act = swiglu_for(gate_up, w.w_down, dims.ffn, ctx)
     x = x + all_reduce(_row_blocks(act, w.w_down, ctx), (TP,), ctx.all_reduce)
     return x, k_cache, v_cache
 
 
 def _swiglu(gate_up, ffn: int):
-    gate, up = gate_up[..., :ffn], gate_up[..., ffn:]
-    return jax.nn.silu(gate) * up
+    _check_gate_up(gate_up, ffn)
+    return swiglu_reference(gate_up)
 
 
-def matmul(x: Float[Array, "tokens k"], weight, ctx: Context) -> Float[Array, "tokens n"]:
+def _check_gate_up(gate_up, ffn: int):
+    if gate_up.shape[-1] != 2 * ffn:
+        raise ValueError(f"gate_up must hold gate and up of {ffn} each, got shape {gate_up.shape}")
+
+
+def _takes_quantized_rows(weight, ctx: Context) -> bool:
+    """Whether the GEMM by ``weight`` (one, or SP's tuple of blocks) is ``w8a8`` over FP8
+    weights, whose activations are quantized per row first."""
+    first = weight[0] if isinstance(weight, tuple) else weight
+    return isinstance(first, Fp8Weight) and ctx.fp8_algorithm == "w8a8"
+
+
+def normed_for(x, norm_weight, weight, ctx: Context):
+    """``rms_norm(x)`` as the GEMM by ``weight`` takes it: for ``w8a8``, quantized per row
+    by one kernel with the norm (``kernels.fp8_rows``), not two passes of XLA after it."""
+    if _takes_quantized_rows(weight, ctx):
+        return QuantizedRows(*rms_norm_quantized(x, norm_weight, ctx.eps, implementation=ctx.quantized_gemm), dtype=x.dtype)
+    return rms_norm(x, norm_weight, ctx.eps)
+
+
+def swiglu_for(gate_up, weight, ffn: int, ctx: Context):
+    """``silu(gate) * up`` as the down GEMM by ``weight`` takes it (as :func:`normed_for`)."""
+    _check_gate_up(gate_up, ffn)
+    if _takes_quantized_rows(weight, ctx):
+        return QuantizedRows(*swiglu_quantized(gate_up, implementation=ctx.quantized_gemm), dtype=gate_up.dtype)
+    return swiglu_reference(gate_up)
+
+
+def matmul(x: Float[Array, "tokens k"] | QuantizedRows, weight, ctx: Context) -> Float[Array, "tokens n"]:
     """``x @ weight[0]`` for this device's block: a bf16 array ``[1, k, n]``, or an
     :class:`~shiftjax.quantization.Fp8Weight` (values ``[1, n, k]``), multiplied by
     ``kernels.fp8_gemm`` with the step's algorithm."""
@@ -174,9 +200,10 @@ def _column_blocks(x, weight, sp: int, ctx: Context):
 def _row_blocks(x, weight, ctx: Context):
     """``sum_j x[:, j] @ block_j``, added in block order."""
     if isinstance(weight, tuple):
-        total = matmul(x[:, 0], weight[0], ctx)
+        block = lambda j: jax.tree.map(lambda a: a[:, j], x)  # x may be QuantizedRows
+        total = matmul(block(0), weight[0], ctx)
         for j in range(1, len(weight)):
-            total = total + matmul(x[:, j], weight[j], ctx)
+            total = total + matmul(block(j), weight[j], ctx)
         return total
     return x.reshape(x.shape[0], -1) @ weight[0]
 
