@@ -7,17 +7,19 @@ Per-row quantization needs the row's absmax before any value can be scaled. XLA 
 two kernels, a reduction and then an elementwise pass that recomputes the op from its
 input: on the H200, Llama-3.1-8B's MLP at 4,096 tokens read the 235 MB of gate|up twice
 (63 + 111 us a layer, benchmarks/README.md, "Why served FP8 prefill was no faster than
-bf16"). Here a program owns ``block_rows`` whole rows: it loads them once, keeps them in
-registers (a row of 14,336 is 56 KiB of float32 across 16 warps), reduces, scales, and writes
-e4m3 values and the scales: one read, one quarter-size write.
+bf16"). Here a program owns one row: it loads it once, in power-of-two chunks that divide it
+(Triton's tiles are powers of two, and a tile past the row's end would be neither masked nor
+safe: Pallas's Triton lowering does not mask a block wider than its array), keeps the chunks
+in registers (a row of 14,336 is 56 KiB of float32 across 16 warps), reduces, scales, and
+writes e4m3 values and the scale: one read, one quarter-size write.
 
-Each kernel rounds where its reference does (the op's bf16 result, then the division by
-the scale), so they differ from the references only where Triton's and XLA's ``exp`` or
-``rsqrt`` differ in the last float32 bit. Rows are padded to a power of two (Triton's blocks);
-the padding is masked out of the reductions. The kernels run on Pallas's Triton backend:
-Mosaic GPU's layouts have no cross-thread reduction of a row this long in JAX 0.11.2, and an
-elementwise pass has nothing for wgmma or TMA to do. ``interpret=True`` runs them in
-Pallas's interpreter (the CPU tests).
+Each kernel rounds where its reference does (the op's bf16 results, then the division by
+the scale), so they differ from the references where Triton's and XLA's ``logistic`` or
+``rsqrt`` differ in the last float32 bit, and in the order of the float32 sum of squares.
+They use Pallas's Triton backend (deprecated in JAX 0.11.2; it warns), not Mosaic GPU as the
+GEMMs do: an elementwise pass with a row reduction has no use for wgmma or TMA, and no Mosaic
+GPU version was written to compare. ``interpret=True`` runs them in Pallas's interpreter (the
+CPU tests).
 """
 
 from __future__ import annotations
@@ -39,24 +41,32 @@ _BF16 = jnp.bfloat16
 
 @dataclasses.dataclass(frozen=True)
 class RowsConfig:
-    """``block_rows`` rows a program, ``num_warps`` warps: at most ``elements_per_thread``
-    float32 values of each input a thread (a larger row takes more warps, up to 32)."""
+    """A program owns one row, loaded in chunks of at most ``max_chunk`` elements (the
+    largest power of two dividing the row, at most ``max_chunks`` of them, all held in
+    registers), with enough warps for ``elements_per_thread`` float32 values of each input
+    a thread (at most 32 warps). A row that needs more chunks goes to the reference."""
 
-    block_rows: int = 1
-    elements_per_thread: int = 32
+    max_chunk: int = 2048
+    max_chunks: int = 64
+    elements_per_thread: int = 64
 
     def __post_init__(self):
-        if self.block_rows < 1 or self.block_rows & (self.block_rows - 1):
-            raise ValueError(f"RowsConfig.block_rows must be a power of two, got {self.block_rows}")
-        if self.elements_per_thread < 1:
-            raise ValueError(f"RowsConfig.elements_per_thread must be >= 1, got {self.elements_per_thread}")
+        if self.max_chunk < 1 or self.max_chunk & (self.max_chunk - 1):
+            raise ValueError(f"RowsConfig.max_chunk must be a power of two, got {self.max_chunk}")
+        if self.max_chunks < 1 or self.elements_per_thread < 1:
+            raise ValueError(f"RowsConfig.max_chunks and elements_per_thread must be >= 1, got {self}")
 
-    def num_warps(self, block_width: int) -> int:
-        warps = self.block_rows * block_width // (32 * self.elements_per_thread)
-        return int(min(32, max(1, 1 << max(0, warps - 1).bit_length())))
+    def chunk(self, width: int) -> int | None:
+        """The chunk a row of ``width`` is loaded in, or None: too many chunks."""
+        chunk = min(self.max_chunk, width & -width)
+        return chunk if width // chunk <= self.max_chunks else None
+
+    def num_warps(self, width: int) -> int:
+        warps = -(-width // (32 * self.elements_per_thread))
+        return int(min(32, 1 << max(0, warps - 1).bit_length()))
 
 
-DEFAULT_CONFIG = RowsConfig()
+DEFAULT_CONFIG = RowsConfig()  # benchmarks/fp8_rows_bench.py on the H200
 
 
 # ------------------------------------------------------------------------- references
@@ -87,59 +97,60 @@ def swiglu_quantized_reference(gate_up):
 # ---------------------------------------------------------------------------- kernels
 
 
-def _quantized_store(h32, valid, values_ref, scale_ref):
-    """``fp8_gemm.quantize_rows`` of the rows ``h32`` [rows, width], padding masked out."""
-    absmax = jnp.max(jnp.where(valid, jnp.abs(h32), 0.0), axis=1)
+def _row_chunks(ref, row, first: int, width: int, chunk: int) -> list:
+    """Row ``row`` of ``ref``, columns ``[first, first + width)``, as float32 ``[1, chunk]`` pieces."""
+    return [ref[pl.ds(row, 1), pl.ds(first + c * chunk, chunk)].astype(jnp.float32) for c in range(width // chunk)]
+
+
+def _rounded(a, dtype):
+    return a.astype(dtype).astype(jnp.float32)
+
+
+def _quantized_store(h32: list, row, values_ref, scale_ref):
+    """``fp8_gemm.quantize_rows`` of one row, given as float32 chunks."""
+    absmax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(h), axis=1) for h in h32])
     scale = jnp.where(absmax > 0, absmax / fp8_gemm.FP8_MAX, 1.0)
-    values = jnp.clip(h32 / scale[:, None], -fp8_gemm.FP8_MAX, fp8_gemm.FP8_MAX)
-    values_ref[...] = values.astype(values_ref.dtype)
-    scale_ref[...] = scale
+    chunk = h32[0].shape[1]
+    for c, h in enumerate(h32):
+        values = jnp.clip(h / scale[:, None], -fp8_gemm.FP8_MAX, fp8_gemm.FP8_MAX)
+        values_ref[pl.ds(row, 1), pl.ds(c * chunk, chunk)] = values.astype(values_ref.dtype)
+    scale_ref[pl.ds(row, 1)] = scale
 
 
-def _valid(shape, width: int):
-    return lax.broadcasted_iota(jnp.int32, shape, 1) < width
+def _rms_norm_kernel(x_ref, w_ref, values_ref, scale_ref, *, width: int, chunk: int, eps: float):
+    row = pl.program_id(0)
+    dtype = x_ref.dtype
+    x32 = _row_chunks(x_ref, row, 0, width, chunk)
+    inv_rms = lax.rsqrt(sum(jnp.sum(x * x, axis=1) for x in x32) / width + eps)
+    w32 = [w_ref[pl.ds(c * chunk, chunk)].astype(jnp.float32)[None, :] for c in range(width // chunk)]
+    h32 = [_rounded(w * _rounded(x * inv_rms[:, None], dtype), dtype) for x, w in zip(x32, w32)]
+    _quantized_store(h32, row, values_ref, scale_ref)
 
 
-def _rms_norm_kernel(x_ref, w_ref, values_ref, scale_ref, *, width: int, eps: float):
-    x = x_ref[...]
-    valid = _valid(x.shape, width)
-    x32 = jnp.where(valid, x.astype(jnp.float32), 0.0)
-    inv_rms = lax.rsqrt(jnp.sum(x32 * x32, axis=1) / width + eps)
-    normed = (x32 * inv_rms[:, None]).astype(x.dtype)
-    h = (w_ref[...][None, :].astype(jnp.float32) * normed.astype(jnp.float32)).astype(x.dtype)
-    _quantized_store(h.astype(jnp.float32), valid, values_ref, scale_ref)
+def _swiglu_kernel(gate_up_ref, values_ref, scale_ref, *, width: int, chunk: int):
+    row = pl.program_id(0)
+    dtype = gate_up_ref.dtype
+    gate32 = _row_chunks(gate_up_ref, row, 0, width, chunk)
+    up32 = _row_chunks(gate_up_ref, row, width, width, chunk)
+    silu32 = [_rounded(g * _rounded(lax.logistic(g), dtype), dtype) for g in gate32]
+    _quantized_store([_rounded(s * u, dtype) for s, u in zip(silu32, up32)], row, values_ref, scale_ref)
 
 
-def _swiglu_kernel(gate_ref, up_ref, values_ref, scale_ref, *, width: int):
-    gate, up = gate_ref[...], up_ref[...]
-    dtype = gate.dtype
-    valid = _valid(gate.shape, width)
-    g32 = jnp.where(valid, gate.astype(jnp.float32), 0.0)
-    sigmoid = lax.logistic(g32).astype(dtype).astype(jnp.float32)
-    silu = (g32 * sigmoid).astype(dtype).astype(jnp.float32)
-    h = (silu * up.astype(jnp.float32)).astype(dtype)
-    _quantized_store(h.astype(jnp.float32), valid, values_ref, scale_ref)
+def _identity_kernel(x_ref, values_ref, scale_ref, *, width: int, chunk: int):
+    row = pl.program_id(0)
+    _quantized_store(_row_chunks(x_ref, row, 0, width, chunk), row, values_ref, scale_ref)
 
 
-def _identity_kernel(x_ref, values_ref, scale_ref, *, width: int):
-    x = x_ref[...]
-    valid = _valid(x.shape, width)
-    _quantized_store(x.astype(jnp.float32), valid, values_ref, scale_ref)
-
-
-def _rows_call(kernel, inputs, in_specs, rows: int, width: int, config: RowsConfig, interpret: bool, name: str):
+def _rows_call(kernel, inputs, rows: int, width: int, chunk: int, config: RowsConfig, interpret: bool, name: str):
     from jax.experimental.pallas import triton as pltriton  # GPU lowering only when asked
 
-    block_width = 1 << (width - 1).bit_length()
-    out_specs = [pl.BlockSpec((config.block_rows, block_width), lambda i: (i, 0)),
-                 pl.BlockSpec((config.block_rows,), lambda i: (i,))]
     return pl.pallas_call(
-        kernel,
-        grid=(pl.cdiv(rows, config.block_rows),),
-        in_specs=in_specs(config.block_rows, block_width),
-        out_specs=out_specs,
+        functools.partial(kernel, width=width, chunk=chunk),
+        grid=(rows,),
+        in_specs=[pl.no_block_spec] * len(inputs),
+        out_specs=[pl.no_block_spec] * 2,
         out_shape=[jax.ShapeDtypeStruct((rows, width), fp8_gemm.FP8), jax.ShapeDtypeStruct((rows,), jnp.float32)],
-        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps(block_width), num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps(width), num_stages=1),
         interpret=interpret,
         name=name,
     )(*inputs)
@@ -160,14 +171,13 @@ def rms_norm_quantized(
 ) -> tuple[Float[Array, "*rows d"], Float[Array, "*rows"]]:
     """``quantize_rows(rms_norm(x, weight, eps))``: e4m3 values and float32 scales."""
     _check(implementation)
-    if implementation == "reference":
+    chunk = config.chunk(x.shape[-1])
+    if implementation == "reference" or chunk is None:
         return rms_norm_quantized_reference(x, weight, eps)
     flat = _flat_rows(x)
     rows, width = flat.shape
-    values, scale = _rows_call(
-        functools.partial(_rms_norm_kernel, width=width, eps=eps), (flat, weight),
-        lambda br, bw: [pl.BlockSpec((br, bw), lambda i: (i, 0)), pl.BlockSpec((bw,), lambda i: (0,))],
-        rows, width, config, interpret, "fp8_rms_norm_quantized")
+    values, scale = _rows_call(functools.partial(_rms_norm_kernel, eps=eps), (flat, weight), rows, width, chunk,
+                               config, interpret, "fp8_rms_norm_quantized")
     return values.reshape(x.shape), scale.reshape(x.shape[:-1])
 
 
@@ -179,16 +189,13 @@ def swiglu_quantized(
     _check(implementation)
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up's last axis holds gate and up, so it must be even, got {gate_up.shape}")
-    if implementation == "reference":
+    width = gate_up.shape[-1] // 2
+    chunk = config.chunk(width)
+    if implementation == "reference" or chunk is None:
         return swiglu_quantized_reference(gate_up)
     flat = _flat_rows(gate_up)
-    rows, width = flat.shape[0], flat.shape[1] // 2
-    halves = flat.reshape(rows, 2, width)  # free: [gate | up] row by row
-    values, scale = _rows_call(
-        functools.partial(_swiglu_kernel, width=width), (halves, halves),
-        lambda br, bw: [pl.BlockSpec((br, None, bw), lambda i: (i, 0, 0)),
-                        pl.BlockSpec((br, None, bw), lambda i: (i, 1, 0))],
-        rows, width, config, interpret, "fp8_swiglu_quantized")
+    values, scale = _rows_call(_swiglu_kernel, (flat,), flat.shape[0], width, chunk, config, interpret,
+                               "fp8_swiglu_quantized")
     return values.reshape(*gate_up.shape[:-1], width), scale.reshape(gate_up.shape[:-1])
 
 
@@ -198,12 +205,10 @@ def quantized(
 ) -> tuple[Float[Array, "*rows k"], Float[Array, "*rows"]]:
     """``quantize_rows(x)`` in one pass."""
     _check(implementation)
-    if implementation == "reference":
+    chunk = config.chunk(x.shape[-1])
+    if implementation == "reference" or chunk is None:
         return fp8_gemm.quantize_rows(x)
     flat = _flat_rows(x)
     rows, width = flat.shape
-    values, scale = _rows_call(
-        functools.partial(_identity_kernel, width=width), (flat,),
-        lambda br, bw: [pl.BlockSpec((br, bw), lambda i: (i, 0))],
-        rows, width, config, interpret, "fp8_quantized_rows")
+    values, scale = _rows_call(_identity_kernel, (flat,), rows, width, chunk, config, interpret, "fp8_quantized_rows")
     return values.reshape(x.shape), scale.reshape(x.shape[:-1])

@@ -65,11 +65,10 @@ def test_swiglu_kernel_matches_reference(rows, width):
     _check_close(got, fp8_rows.swiglu_quantized_reference(gate_up), max_differing=0.05, bf16_steps=2)
 
 
-def test_kernels_take_leading_row_axes_and_blocks_of_rows():
-    """SP mode's [tokens, sp, n] rows, quantized per (token, block); several rows a
-    program, with the last program's rows past the end masked."""
+def test_kernels_take_leading_row_axes_and_rows_in_chunks():
+    """SP mode's [tokens, sp, n] rows, quantized per (token, block); rows in several chunks."""
     gate_up = _bf16((5, 2, 2 * 96), 3)
-    config = fp8_rows.RowsConfig(block_rows=4)
+    config = fp8_rows.RowsConfig(max_chunk=16)
     values, scale = fp8_rows.swiglu_quantized(gate_up, implementation="pallas", config=config, interpret=True)
     assert values.shape == (5, 2, 96) and scale.shape == (5, 2)
     want = [fp8_rows.swiglu_quantized_reference(gate_up[:, j]) for j in range(2)]
@@ -113,11 +112,21 @@ def test_bad_arguments_are_refused():
         fp8_rows.quantized(_bf16((2, 16), 0), implementation="xla")
     with pytest.raises(ValueError, match="must be even"):
         fp8_rows.swiglu_quantized(_bf16((2, 15), 0))
-    with pytest.raises(ValueError, match="block_rows must be a power of two, got 3"):
-        fp8_rows.RowsConfig(block_rows=3)
-    with pytest.raises(ValueError, match="elements_per_thread must be >= 1"):
+    with pytest.raises(ValueError, match="max_chunk must be a power of two, got 3"):
+        fp8_rows.RowsConfig(max_chunk=3)
+    with pytest.raises(ValueError, match="max_chunks and elements_per_thread must be >= 1"):
         fp8_rows.RowsConfig(elements_per_thread=0)
-    assert fp8_rows.RowsConfig().num_warps(16384) == 16 and fp8_rows.RowsConfig().num_warps(64) == 1
+    config = fp8_rows.RowsConfig(elements_per_thread=32)
+    assert config.num_warps(14336) == 16 and config.num_warps(64) == 1 and config.num_warps(10**6) == 32
+    assert config.chunk(14336) == 2048 and config.chunk(576) == 64 and config.chunk(100) == 4
+    assert fp8_rows.RowsConfig(max_chunks=8).chunk(576) is None  # 9 chunks: the reference
+
+
+def test_a_row_of_too_many_chunks_goes_to_the_reference():
+    x = _bf16((3, 36), 5)  # chunks of 4: 9 of them
+    got = fp8_rows.quantized(x, implementation="pallas", config=fp8_rows.RowsConfig(max_chunks=8))
+    want = fp8_gemm.quantize_rows(x)
+    assert got[0].tobytes() == want[0].tobytes() and got[1].tobytes() == want[1].tobytes()
 
 
 # ------------------------------------------------------------------------------- GPU
