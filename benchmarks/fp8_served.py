@@ -7,6 +7,11 @@ for each deployment's weight floor (weight bytes / stream rate).
     python3 -P benchmarks/fp8_served.py --deployments bf16,fp8 --out DIR        # the H200
     python3 -P benchmarks/fp8_served.py --deployments fp8_70b --out DIR
     python benchmarks/fp8_served.py --smoke --out DIR                              # the CPU
+    python3 -P benchmarks/fp8_served.py --deployments bf16,fp8@before,fp8 --before-path SHIM --out DIR
+
+A deployment ``NAME@before`` is NAME served by an earlier tree: ``--before-path`` goes first
+on the server's PYTHONPATH (a folder whose ``shiftjax`` package is that tree's, as
+benchmarks/run_fp8_served.sh makes it from ``BEFORE``), so one call compares the trees.
 
 Writes ``fp8_served.json`` (one entry per deployment, with each ratio to bf16 where the
 bf16 deployment ran in the same call).
@@ -105,7 +110,10 @@ def main():
     parser.add_argument("--deployments", default="bf16,fp8")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true", help="the CPU: the default model's shape, tiny loads")
+    parser.add_argument("--before-path", help="PYTHONPATH entry of the earlier tree that NAME@before deployments serve")
     args = parser.parse_args()
+    if "@before" in args.deployments and not args.before_path:
+        parser.error("a NAME@before deployment needs --before-path")
     from shiftjax.serving.bench.server_process import Deployment, ServerProcess
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -120,7 +128,12 @@ def main():
     vocab = 49152
     sizes = {"c1": (4, 1024, 128, 1), "c64": (64, 1024, 128, 64), "ttft4096": (3, 4096, 1, 1)}
     for name in args.deployments.split(","):
-        model, serve_args, env = DEPLOYMENTS[name]
+        base_name, _, tree = name.partition("@")
+        if base_name not in DEPLOYMENTS or tree not in ("", "before"):
+            raise SystemExit(f"unknown deployment {name!r}: one of {', '.join(DEPLOYMENTS)}, each optionally @before")
+        model, serve_args, env = DEPLOYMENTS[base_name]
+        if tree == "before":
+            env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [args.before_path, os.environ.get("PYTHONPATH")]))}
         config_path = CONFIGS / model / "config.json"
         command = ["{python}", "-P", "-m", "shiftjax.serving.cli", "serve", "--model", str(config_path),
                    "--load-format", "dummy", "--dtype", "bfloat16", "--port", "{port}",
@@ -136,13 +149,14 @@ def main():
                        "--max-num-batched-tokens", "64", "--token-buckets", "16,64", "--seq-buckets", "2",
                        "--num-pages", "40", *quantize]
             sizes = {"c1": (1, 20, 4, 1), "c64": (2, 20, 4, 2), "ttft4096": (1, 60, 1, 1)}
-        server = ServerProcess(Deployment(name, command, env=env, startup_timeout_s=1200), args.out / f"{name}.log")
+        log_name = name.replace("@", "_")
+        server = ServerProcess(Deployment(name, command, env=env, startup_timeout_s=1200), args.out / f"{log_name}.log")
         server.start()
         try:
             info = server.server_info()
             entry = {"startup_s": round(server.startup_seconds, 1), "serve_args": serve_args,
                      "quantization": info.get("quantization"), "page_pool": info.get("page_pool"), "runs": {}}
-            for load in LOADS[name]:
+            for load in LOADS[base_name]:
                 count, length, max_tokens, concurrency = sizes[load]
                 run = run_load(server.grpc_address, prompts_of(count, length, zlib.crc32(load.encode()), vocab),
                                concurrency, max_tokens)
