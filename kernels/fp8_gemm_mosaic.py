@@ -16,7 +16,8 @@ So the products are the reference's products; only the accumulation order differ
 Split-K (``split_k`` CTAs per 64-row stripe, each a float32 partial) fills the 132 SMs
 when ``n`` is small; XLA sums the partials and applies the scales in one small fusion.
 
-``w8a8`` quantizes ``x`` per row in XLA (:func:`fp8_gemm.quantize_rows`), then runs an
+``w8a8`` takes ``x`` quantized per row (:class:`fp8_gemm.QuantizedRows`, made by one of
+:mod:`fp8_rows`'s one-pass kernels, fused with the op before it where the model can), then runs an
 e4m3 x e4m3 wgmma GEMM with both operands K-major from shared memory (the weight
 ``[tile_n, tile_k]`` tile seen transposed), float32 accumulators, and the scales
 ``x_scale[m] * scale[n]`` applied to the accumulator in the epilogue before the one
