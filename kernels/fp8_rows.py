@@ -36,7 +36,6 @@ from jaxtyping import Array, Float
 from . import fp8_gemm
 
 IMPLEMENTATIONS = ("reference", "pallas")
-_BF16 = jnp.bfloat16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,9 +159,15 @@ def _flat_rows(x):
     return x.reshape(-1, x.shape[-1])
 
 
-def _check(implementation: str):
+def _kernel_chunk(implementation: str, x, width: int, config: RowsConfig) -> int | None:
+    """The chunk the kernel loads ``x``'s rows of ``width`` in, or None where the reference
+    runs: asked for, too many chunks, or more elements than Triton's 32-bit offsets reach
+    (``fp8_gemm.TRITON_MAX_ELEMENTS``)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
+    if implementation == "reference" or x.size > fp8_gemm.TRITON_MAX_ELEMENTS:
+        return None
+    return config.chunk(width)
 
 
 def rms_norm_quantized(
@@ -170,9 +175,8 @@ def rms_norm_quantized(
     implementation: str = "reference", config: RowsConfig = DEFAULT_CONFIG, interpret: bool = False,
 ) -> tuple[Float[Array, "*rows d"], Float[Array, "*rows"]]:
     """``quantize_rows(rms_norm(x, weight, eps))``: e4m3 values and float32 scales."""
-    _check(implementation)
-    chunk = config.chunk(x.shape[-1])
-    if implementation == "reference" or chunk is None:
+    chunk = _kernel_chunk(implementation, x, x.shape[-1], config)
+    if chunk is None:
         return rms_norm_quantized_reference(x, weight, eps)
     flat = _flat_rows(x)
     rows, width = flat.shape
@@ -186,12 +190,11 @@ def swiglu_quantized(
     implementation: str = "reference", config: RowsConfig = DEFAULT_CONFIG, interpret: bool = False,
 ) -> tuple[Float[Array, "*rows f"], Float[Array, "*rows"]]:
     """``quantize_rows(silu(gate) * up)`` for ``gate_up = [gate | up]`` along its last axis."""
-    _check(implementation)
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up's last axis holds gate and up, so it must be even, got {gate_up.shape}")
     width = gate_up.shape[-1] // 2
-    chunk = config.chunk(width)
-    if implementation == "reference" or chunk is None:
+    chunk = _kernel_chunk(implementation, gate_up, width, config)
+    if chunk is None:
         return swiglu_quantized_reference(gate_up)
     flat = _flat_rows(gate_up)
     values, scale = _rows_call(_swiglu_kernel, (flat,), flat.shape[0], width, chunk, config, interpret,
@@ -204,9 +207,8 @@ def quantized(
     implementation: str = "reference", config: RowsConfig = DEFAULT_CONFIG, interpret: bool = False,
 ) -> tuple[Float[Array, "*rows k"], Float[Array, "*rows"]]:
     """``quantize_rows(x)`` in one pass."""
-    _check(implementation)
-    chunk = config.chunk(x.shape[-1])
-    if implementation == "reference" or chunk is None:
+    chunk = _kernel_chunk(implementation, x, x.shape[-1], config)
+    if chunk is None:
         return fp8_gemm.quantize_rows(x)
     flat = _flat_rows(x)
     rows, width = flat.shape

@@ -122,6 +122,16 @@ def test_bad_arguments_are_refused():
     assert fp8_rows.RowsConfig(max_chunks=8).chunk(576) is None  # 9 chunks: the reference
 
 
+def test_an_operand_past_32_bit_offsets_goes_to_the_reference():
+    """Triton's offsets are int32: ``quantized`` of 2**31 elements (shapes only) is XLA's."""
+    x = jax.ShapeDtypeStruct((2**17, 2**14), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda x: fp8_rows.quantized(x, implementation="pallas"))(x)
+    assert "pallas_call" not in str(jaxpr)
+    small = jax.make_jaxpr(lambda x: fp8_rows.quantized(x, implementation="pallas"))(
+        jax.ShapeDtypeStruct((4, 64), jnp.bfloat16))
+    assert "pallas_call" in str(small)
+
+
 def test_a_row_of_too_many_chunks_goes_to_the_reference():
     x = _bf16((3, 36), 5)  # chunks of 4: 9 of them
     got = fp8_rows.quantized(x, implementation="pallas", config=fp8_rows.RowsConfig(max_chunks=8))
