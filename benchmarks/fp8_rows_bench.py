@@ -32,24 +32,31 @@ CONFIGS = [fp8_rows.RowsConfig(max_chunk, elements_per_thread=per_thread)
            for max_chunk in (1024, 2048, 4096) for per_thread in (16, 32, 64, 128)]
 
 
-def _ops(d: int, ffn: int, rows: int, interpret: bool, config: fp8_rows.RowsConfig):
-    """name -> (inputs, reference, kernel, bytes the op must move)."""
+def _ops(d: int, ffn: int, rows: int, interpret: bool):
+    """name -> (inputs, reference, kernel of a config, bytes the op must move)."""
     key = jax.random.key(0)
     x = jax.random.normal(key, (rows, d), jnp.bfloat16)
     weight = (1 + 0.1 * jax.random.normal(key, (d,))).astype(jnp.bfloat16)
     gate_up = jax.random.normal(jax.random.key(1), (rows, 2 * ffn), jnp.bfloat16)
-    kernel = dict(implementation="pallas", interpret=interpret, config=config)
+    kernel = lambda config: dict(implementation="pallas", interpret=interpret, config=config)
     out_bytes = lambda width: rows * width + 4 * rows  # e4m3 values, float32 scales
     return {
-        "quantize (o's input)": ((x,), fp8_gemm.quantize_rows, lambda x: fp8_rows.quantized(x, **kernel),
-                                 x.nbytes + out_bytes(d)),
+        "quantize (o's input)": (
+            (x,), fp8_gemm.quantize_rows,
+            lambda config: lambda x: fp8_rows.quantized(x, **kernel(config)), x.nbytes + out_bytes(d)),
         "rms_norm + quantize (qkv's, gate|up's)": (
             (x, weight), lambda x, w: fp8_rows.rms_norm_quantized_reference(x, w, 1e-5),
-            lambda x, w: fp8_rows.rms_norm_quantized(x, w, 1e-5, **kernel), x.nbytes + d * 2 + out_bytes(d)),
-        "swiglu + quantize (down's)": ((gate_up,), fp8_rows.swiglu_quantized_reference,
-                                       lambda g: fp8_rows.swiglu_quantized(g, **kernel),
-                                       gate_up.nbytes + out_bytes(ffn)),
+            lambda config: lambda x, w: fp8_rows.rms_norm_quantized(x, w, 1e-5, **kernel(config)),
+            x.nbytes + d * 2 + out_bytes(d)),
+        "swiglu + quantize (down's)": (
+            (gate_up,), fp8_rows.swiglu_quantized_reference,
+            lambda config: lambda g: fp8_rows.swiglu_quantized(g, **kernel(config)), gate_up.nbytes + out_bytes(ffn)),
     }
+
+
+def _timed(fn, inputs, moved: int, copy_rate: float, iters: int) -> dict:
+    seconds, timer = roofline.timed(fn, *inputs, iters=iters)
+    return {"us": round(seconds * 1e6, 2), "timer": timer, "of_copy_ceiling": round(moved / seconds / copy_rate, 3)}
 
 
 def _agreement(got, want) -> dict:
@@ -73,27 +80,17 @@ def main():
           f"[{ceiling['timer']}]", flush=True)
     results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "copy_ceiling": ceiling, "cases": []}
     for label, rows, d, ffn in shapes:
-        # the sweep at the 8B prompt's rows only; the others run the default
-        configs = [fp8_rows.DEFAULT_CONFIG, *CONFIGS] if label == "8b" else [fp8_rows.DEFAULT_CONFIG]
-        for name in _ops(d, ffn, rows, args.smoke, fp8_rows.DEFAULT_CONFIG):
-            case = {"shape": label, "rows": rows, "op": name, "configs": {}}
-            for config in configs:  # the default first: its agreement is the one reported
-                inputs, reference, kernel, moved = _ops(d, ffn, rows, args.smoke, config)[name]
-                key = f"max_chunk={config.max_chunk},per_thread={config.elements_per_thread}"
-                if key in case["configs"]:
-                    continue
-                ref_fn, kernel_fn = jax.jit(reference), jax.jit(kernel)
-                if "xla" not in case:
-                    case["bytes"] = moved
-                    case["agreement"] = _agreement(kernel_fn(*inputs), ref_fn(*inputs))
-                    seconds, timer = roofline.timed(ref_fn, *inputs, iters=args.iters)
-                    case["xla"] = {"us": round(seconds * 1e6, 2), "timer": timer,
-                                   "of_copy_ceiling": round(moved / seconds / ceiling["best"], 3)}
-                seconds, timer = roofline.timed(kernel_fn, *inputs, iters=args.iters)
-                case["configs"][key] = {"us": round(seconds * 1e6, 2), "timer": timer,
-                                        "of_copy_ceiling": round(moved / seconds / ceiling["best"], 3)}
-                if "kernel" not in case:
-                    case["kernel"] = case["configs"][key]  # the default config's
+        # the sweep at the 8B prompt's rows only; the others run the default (first: its agreement is reported)
+        configs = list(dict.fromkeys([fp8_rows.DEFAULT_CONFIG, *(CONFIGS if label == "8b" else [])]))
+        for name, (inputs, reference, kernel_of, moved) in _ops(d, ffn, rows, args.smoke).items():
+            ref_fn = jax.jit(reference)
+            fns = {config: jax.jit(kernel_of(config)) for config in configs}
+            case = {"shape": label, "rows": rows, "op": name, "bytes": moved,
+                    "agreement": _agreement(fns[fp8_rows.DEFAULT_CONFIG](*inputs), ref_fn(*inputs)),
+                    "xla": _timed(ref_fn, inputs, moved, ceiling["best"], args.iters),
+                    "configs": {f"max_chunk={c.max_chunk},per_thread={c.elements_per_thread}":
+                                _timed(fn, inputs, moved, ceiling["best"], args.iters) for c, fn in fns.items()}}
+            case["kernel"] = next(iter(case["configs"].values()))  # the default config's
             best = min(case["configs"], key=lambda k: case["configs"][k]["us"])
             case["best_config"] = {"config": best, **case["configs"][best]}
             case["kernel_over_xla"] = round(case["kernel"]["us"] / case["xla"]["us"], 3)

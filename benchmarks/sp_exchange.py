@@ -36,7 +36,8 @@ from shift_x2 import PAGE, big_config, prefill_batch, time_steps  # noqa: E402
 
 import shiftjax.steps as steps_module  # noqa: E402
 from shiftjax.layouts.mesh import SP, TP, make_mesh  # noqa: E402
-from shiftjax.model import _column_blocks, _row_blocks, _swiglu, attention_core, rms_norm  # noqa: E402
+from shiftjax.kernels.fp8_rows import swiglu_reference  # noqa: E402
+from shiftjax.model import _column_blocks, _row_blocks, attention_core, rms_norm  # noqa: E402
 from shiftjax.serving.engine.compile import xla_compiler_options  # noqa: E402
 from shiftjax.step_options import StepOptions  # noqa: E402
 from shiftjax.weights import shard_params  # noqa: E402
@@ -82,7 +83,7 @@ def permute_layer(chunks: int):
             projected.append(_row_blocks(jnp.swapaxes(heads, 0, 1), w.wo, ctx))
         x = x + lax.psum(jnp.concatenate(projected), TP)
         h = rms_norm(x, w.mlp_norm, ctx.eps)
-        act = _swiglu(_column_blocks(h, w.w_gate_up, sp, ctx), dims.ffn)
+        act = swiglu_reference(_column_blocks(h, w.w_gate_up, sp, ctx))
         return x + lax.psum(_row_blocks(act, w.w_down, ctx), TP), k_cache, v_cache
 
     return layer

@@ -95,8 +95,9 @@ class QuantizedRows:
     dtype: jnp.dtype = jnp.bfloat16
 
     @classmethod
-    def of(cls, x: Float[Array, "*rows k"]) -> QuantizedRows:
-        return cls(*quantize_rows(x), dtype=x.dtype)
+    def of(cls, x: Float[Array, "*rows k"] | QuantizedRows) -> QuantizedRows:
+        """``x``'s rows quantized by :func:`quantize_rows` (``x`` itself if it is quantized already)."""
+        return x if isinstance(x, QuantizedRows) else cls(*quantize_rows(x), dtype=x.dtype)
 
 
 def quantize_rows(x: Float[Array, "*rows k"]) -> tuple[Float[Array, "*rows k"], Float[Array, "*rows"]]:
@@ -162,7 +163,7 @@ def w8a8_matmul_cublas(
 ) -> Float[Array, "m n"]:
     """``w8a8`` as XLA's e4m3 x e4m3 dot with a float32 result (cuBLASLt's FP8 GEMM on
     Hopper), the scales applied to the float32 product, rounded once to ``x.dtype``."""
-    quantized = x if isinstance(x, QuantizedRows) else QuantizedRows.of(x)
+    quantized = QuantizedRows.of(x)
     acc = jax.lax.dot_general(quantized.values, values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return (acc * quantized.scale[:, None] * scale[None, :]).astype(quantized.dtype)
 
@@ -207,10 +208,9 @@ def fp8_matmul(
         scale = jax.lax.dynamic_index_in_dim(scale, layer, keepdims=False)
     if kernel == "cublas":
         return w8a8_matmul_cublas(x, values, scale)
-    if quantized:
-        return w8a8_quantized_matmul_reference(x, values, scale)
-    reference = w8a16_matmul_reference if algorithm == "w8a16" else w8a8_matmul_reference
-    return reference(x, values, scale)
+    if algorithm == "w8a16":
+        return w8a16_matmul_reference(x, values, scale)
+    return w8a8_quantized_matmul_reference(QuantizedRows.of(x), values, scale)
 
 
 def gpu_supports_fp8(device: jax.Device) -> bool:

@@ -387,8 +387,8 @@ def w8a8_matmul(
     layer: Int[Array, ""] | int | None = None,
 ) -> Float[Array, "m n"]:
     """``x`` quantized per row, then ``(xq @ values.T) * x_scale * scale`` rounded once
-    to bf16 (then to the activations' dtype), by the Mosaic GPU kernel (the reference where ``config`` does not divide
-    ``n, k``). ``x`` quantized already (:class:`fp8_gemm.QuantizedRows`) is taken as it is;
+    to bf16 (then to the activations' dtype), by the Mosaic GPU kernel (the reference
+    where ``config`` does not divide ``n, k``). ``x`` quantized already (:class:`fp8_gemm.QuantizedRows`) is taken as it is;
     bf16 ``x`` is quantized by :func:`fp8_rows.quantized`'s one-pass kernel. ``layer`` as
     in :func:`w8a16_matmul`."""
     from . import fp8_rows  # Triton lowering only when asked
@@ -400,9 +400,7 @@ def w8a8_matmul(
     config = config or w8a8_config(n, k, m)
     layer_scale = scale[layer[0]]  # n floats: XLA's copy of them costs nothing
     if not config.divides(n, k):
-        if quantized:
-            return fp8_gemm.w8a8_quantized_matmul_reference(quantized, values[layer[0]], layer_scale)
-        return fp8_gemm.w8a8_matmul_reference(x, values[layer[0]], layer_scale)
+        return fp8_gemm.w8a8_quantized_matmul_reference(fp8_gemm.QuantizedRows.of(x), values[layer[0]], layer_scale)
     if quantized is None:
         quantized = fp8_gemm.QuantizedRows(*fp8_rows.quantized(x, implementation="pallas"), dtype=x.dtype)
     m_pad = -(-m // config.cta_m) * config.cta_m

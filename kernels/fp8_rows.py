@@ -140,23 +140,24 @@ def _identity_kernel(x_ref, values_ref, scale_ref, *, width: int, chunk: int):
     _quantized_store(_row_chunks(x_ref, row, 0, width, chunk), row, values_ref, scale_ref)
 
 
-def _rows_call(kernel, inputs, rows: int, width: int, chunk: int, config: RowsConfig, interpret: bool, name: str):
+def _rows_call(kernel, x, width: int, chunk: int, weights: tuple, config: RowsConfig, interpret: bool, name: str):
+    """``kernel`` over every row of ``x`` (its leading axes flattened), ``weights`` passed
+    whole: e4m3 values ``[*rows, width]`` and float32 scales ``[*rows]``."""
     from jax.experimental.pallas import triton as pltriton  # GPU lowering only when asked
 
-    return pl.pallas_call(
+    flat = x.reshape(-1, x.shape[-1])
+    rows = flat.shape[0]
+    values, scale = pl.pallas_call(
         functools.partial(kernel, width=width, chunk=chunk),
         grid=(rows,),
-        in_specs=[pl.no_block_spec] * len(inputs),
+        in_specs=[pl.no_block_spec] * (1 + len(weights)),
         out_specs=[pl.no_block_spec] * 2,
         out_shape=[jax.ShapeDtypeStruct((rows, width), fp8_gemm.FP8), jax.ShapeDtypeStruct((rows,), jnp.float32)],
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps(width), num_stages=1),
         interpret=interpret,
         name=name,
-    )(*inputs)
-
-
-def _flat_rows(x):
-    return x.reshape(-1, x.shape[-1])
+    )(flat, *weights)
+    return values.reshape(*x.shape[:-1], width), scale.reshape(x.shape[:-1])
 
 
 def _kernel_chunk(implementation: str, x, width: int, config: RowsConfig) -> int | None:
@@ -178,11 +179,8 @@ def rms_norm_quantized(
     chunk = _kernel_chunk(implementation, x, x.shape[-1], config)
     if chunk is None:
         return rms_norm_quantized_reference(x, weight, eps)
-    flat = _flat_rows(x)
-    rows, width = flat.shape
-    values, scale = _rows_call(functools.partial(_rms_norm_kernel, eps=eps), (flat, weight), rows, width, chunk,
-                               config, interpret, "fp8_rms_norm_quantized")
-    return values.reshape(x.shape), scale.reshape(x.shape[:-1])
+    return _rows_call(functools.partial(_rms_norm_kernel, eps=eps), x, x.shape[-1], chunk, (weight,), config,
+                      interpret, "fp8_rms_norm_quantized")
 
 
 def swiglu_quantized(
@@ -196,10 +194,7 @@ def swiglu_quantized(
     chunk = _kernel_chunk(implementation, gate_up, width, config)
     if chunk is None:
         return swiglu_quantized_reference(gate_up)
-    flat = _flat_rows(gate_up)
-    values, scale = _rows_call(_swiglu_kernel, (flat,), flat.shape[0], width, chunk, config, interpret,
-                               "fp8_swiglu_quantized")
-    return values.reshape(*gate_up.shape[:-1], width), scale.reshape(gate_up.shape[:-1])
+    return _rows_call(_swiglu_kernel, gate_up, width, chunk, (), config, interpret, "fp8_swiglu_quantized")
 
 
 def quantized(
@@ -210,7 +205,4 @@ def quantized(
     chunk = _kernel_chunk(implementation, x, x.shape[-1], config)
     if chunk is None:
         return fp8_gemm.quantize_rows(x)
-    flat = _flat_rows(x)
-    rows, width = flat.shape
-    values, scale = _rows_call(_identity_kernel, (flat,), rows, width, chunk, config, interpret, "fp8_quantized_rows")
-    return values.reshape(x.shape), scale.reshape(x.shape[:-1])
+    return _rows_call(_identity_kernel, x, x.shape[-1], chunk, (), config, interpret, "fp8_quantized_rows")

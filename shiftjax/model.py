@@ -137,16 +137,6 @@ def sp_layer(x, w: LayerWeights, k_cache, v_cache, layer, ctx: Context):
     return x, k_cache, v_cache
 
 
-def _swiglu(gate_up, ffn: int):
-    _check_gate_up(gate_up, ffn)
-    return swiglu_reference(gate_up)
-
-
-def _check_gate_up(gate_up, ffn: int):
-    if gate_up.shape[-1] != 2 * ffn:
-        raise ValueError(f"gate_up must hold gate and up of {ffn} each, got shape {gate_up.shape}")
-
-
 def _takes_quantized_rows(weight, ctx: Context) -> bool:
     """Whether the GEMM by ``weight`` (one, or SP's tuple of blocks) is ``w8a8`` over FP8
     weights, whose activations are quantized per row first."""
@@ -164,7 +154,8 @@ def normed_for(x, norm_weight, weight, ctx: Context):
 
 def swiglu_for(gate_up, weight, ffn: int, ctx: Context):
     """``silu(gate) * up`` as the down GEMM by ``weight`` takes it (as :func:`normed_for`)."""
-    _check_gate_up(gate_up, ffn)
+    if gate_up.shape[-1] != 2 * ffn:
+        raise ValueError(f"gate_up must hold gate and up of {ffn} each, got shape {gate_up.shape}")
     if _takes_quantized_rows(weight, ctx):
         return QuantizedRows(*swiglu_quantized(gate_up, implementation=ctx.quantized_gemm), dtype=gate_up.dtype)
     return swiglu_reference(gate_up)
