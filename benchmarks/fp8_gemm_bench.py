@@ -147,6 +147,8 @@ def sweep_implementations(n: int, k: int, m: int) -> dict:
             "mosaic_w8a8_ws_64x256x128_s4": mosaic.W8A8Config(64, 256, 128, 4, True),
             "mosaic_w8a8_ws_128x128x256_s2": mosaic.W8A8Config(128, 128, 256, 2, True),
             "mosaic_w8a8_ws_128x192x128_s3": mosaic.W8A8Config(128, 192, 128, 3, True),
+            "mosaic_w8a8_ws_128x128x128_s3": mosaic.W8A8Config(128, 128, 128, 3, True),  # the default before persistent
+            "mosaic_w8a8_persistent_64x256x128_s3": mosaic.W8A8Config(64, 256, 128, 3, True, persistent=True),
         }
         for v, c in variants.items():
             impls[v] = (lambda x, w, s, c=c: mosaic.w8a8_matmul(x, w, s, c), False, "w8a8")

@@ -8,7 +8,8 @@ through :class:`~shiftjax.serving.engine.llm.LLM` (no gRPC: its cost is the same
 weights). Per deployment:
 
 - ``ttft``: wall time of ``generate`` of a 4,096-token prompt with ``max_tokens=1``
-  (``--prompts`` distinct prompts, no prefix hits), and under the profiler one more: the
+  (``--prompts`` distinct prompts, no prefix hits) with the host's time before, in and after
+  the step's launch, and under the profiler one more: the
   executables it ran (``(mode, tokens, seqs)`` and how often), its kernels' device time by
   kind and the top kernels, the device's window and the fraction of it left idle;
 - ``decode``: one sequence of a 1,024-token prompt decoding; ``--decode-steps`` engine steps
@@ -46,15 +47,33 @@ def engine_arguments(quantization: str, smoke: bool, extra: list[str]) -> list[s
     return [*deployment, "--quantization", quantization, *extra]
 
 
-def counting(executables) -> collections.Counter:
-    """Counts each compiled step's runs from now on (by its ``(mode, tokens, seqs)`` key)."""
+def counting(executables, calls: list) -> collections.Counter:
+    """Counts each compiled step's runs from now on (by its ``(mode, tokens, seqs)`` key) and
+    appends each call's host span, ``(key, begin, end)`` in ``perf_counter`` seconds, to
+    ``calls``: the call returns once the step is enqueued, so its span is the host's launch
+    cost (command buffers re-recorded included), not the device's time."""
     runs = collections.Counter()
     for key, fn in dict(executables.compiled).items():
         def counted(*args, _key=key, _fn=fn, **kwargs):
             runs[_key] += 1
-            return _fn(*args, **kwargs)
+            begin = time.perf_counter()
+            out = _fn(*args, **kwargs)
+            calls.append((_key, begin, time.perf_counter()))
+            return out
         executables.compiled[key] = counted
     return runs
+
+
+def host_spans(calls: list, begin: float, end: float) -> dict:
+    """One timed call's host time around its steps, in ms: before the first step's launch
+    (scheduling, the batch's arrays), in the launches, and after the last launch (the device's
+    time, the result's copy back and the output's assembly)."""
+    inside = [c for c in calls if begin <= c[1] <= end]
+    if not inside:
+        return {}
+    return {"before_launch_ms": round(1e3 * (inside[0][1] - begin), 3),
+            "launch_ms": round(1e3 * sum(c[2] - c[1] for c in inside), 3),
+            "after_launch_ms": round(1e3 * (end - inside[-1][2]), 3)}
 
 
 def device_summary(fn, calls: int, runs: collections.Counter) -> dict:
@@ -91,20 +110,24 @@ def main():
     llm = build_llm(engine_args)
     result = {"quantization": args.quantization, "arguments": arguments,
               "startup_s": round(time.perf_counter() - started, 1)}
-    runs = counting(llm.engine.executables)
+    calls = []
+    runs = counting(llm.engine.executables, calls)
     prompt_len, decode_prompt = (60, 20) if args.smoke else (4096, 1024)
     prompts = prompts_of(args.prompts + 2, prompt_len, 4096, 49152)
 
     # TTFT: a prompt alone, one token out (the first prompt warms the host path)
     one_token = SamplingParams(max_tokens=1, ignore_eos=True)
+    print("ttft begin", flush=True)  # marks where the TTFT part's lines of XLA's log begin
     llm.generate([prompts[0]], one_token)
-    seconds = []
+    seconds, spans = [], []
     for prompt in prompts[1:1 + args.prompts]:
         begin = time.perf_counter()
         llm.generate([prompt], one_token)
-        seconds.append(time.perf_counter() - begin)
+        end = time.perf_counter()
+        seconds.append(end - begin)
+        spans.append(host_spans(calls, begin, end))
     result["ttft"] = {"prompt_tokens": prompt_len, "wall_ms": [round(1e3 * s, 3) for s in seconds],
-                      "wall_ms_median": round(1e3 * statistics.median(seconds), 3),
+                      "wall_ms_median": round(1e3 * statistics.median(seconds), 3), "host_spans": spans,
                       **device_summary(lambda: llm.generate([prompts[-1]], one_token), 1, runs)}
     print("ttft", json.dumps({k: v for k, v in result["ttft"].items() if k != "devices"}), flush=True)
 
@@ -114,14 +137,18 @@ def main():
                                  SamplingParams(max_tokens=args.decode_steps + 16, ignore_eos=True))
     while not request.output_ids:
         engine.step()
-    steps = []
+    steps, spans = [], []
     for _ in range(args.decode_steps - args.profiled):
         begin = time.perf_counter()
         engine.step()
-        steps.append(time.perf_counter() - begin)
+        end = time.perf_counter()
+        steps.append(end - begin)
+        spans.append(host_spans(calls, begin, end))
     steady = steps[2:]
     decode = device_summary(engine.step, args.profiled, runs)
     result["decode"] = {"prompt_tokens": decode_prompt, "step_wall_ms_median": round(1e3 * statistics.median(steady), 3),
+                        "host_spans_median": {k: round(statistics.median(s[k] for s in spans[2:] if s), 3)
+                                              for k in spans[-1]},
                         "profiled_steps": args.profiled, **decode}
     engine.abort(request)
     while engine.run_step() is not None:

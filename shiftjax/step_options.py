@@ -35,6 +35,11 @@ class StepOptions:
       for), the reference elsewhere (the CPU, and GPUs they were not tried on).
     - ``fp8_gemm``: which algorithm (by the step's token count) and which GPU kernel (by the
       GEMM's rows) multiply FP8 weights (``kernels.fp8_gemm.Fp8GemmChoice``).
+    - ``cuda_graph_max_tokens``: on GPUs, steps of more tokens launch their kernels one by
+      one instead of through XLA's command buffers (CUDA graphs): their kernels outlast their
+      launches, so a graph saves them nothing, and where the step's buffers moved since its
+      last run (JAX's default allocator) XLA re-records the graph before launching it, with
+      the device idle (``serving/engine/compile.py``). None: graphs for every step.
     - ``xla_options``: more XLA options for every step, as ``(name, value)`` pairs (a
       benchmark's variant; the engine adds none).
     """
@@ -49,6 +54,7 @@ class StepOptions:
     all_to_all: str = "xla"
     quantized_gemm: str = "auto"
     fp8_gemm: Fp8GemmChoice = DEFAULT_CHOICE
+    cuda_graph_max_tokens: int | None = 512
     xla_options: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self):
@@ -59,6 +65,8 @@ class StepOptions:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.max_pages is not None and self.max_pages < 1:
             raise ValueError(f"max_pages must be at least 1, got {self.max_pages}")
+        if self.cuda_graph_max_tokens is not None and self.cuda_graph_max_tokens < 1:
+            raise ValueError(f"cuda_graph_max_tokens must be at least 1 or None, got {self.cuda_graph_max_tokens}")
         if self.max_top_logprobs < 0:
             raise ValueError(f"max_top_logprobs must be at least 0, got {self.max_top_logprobs}")
         if not all(isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)

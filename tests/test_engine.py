@@ -425,6 +425,19 @@ def test_allocator_never_hands_out_the_scratch_page():
     assert sorted(pages) == [1, 2, 3, 4] and allocator.num_free == 0
 
 
+def test_large_steps_launch_without_cuda_graphs():
+    """Past ``cuda_graph_max_tokens`` a GPU step is compiled without XLA's command buffers;
+    at or below it, and on other platforms, the options are the same as for any step."""
+    options = StepOptions()
+    small = compiling.xla_compiler_options(options, "gpu", 512)
+    assert "xla_gpu_enable_command_buffer" not in small
+    assert compiling.xla_compiler_options(options, "gpu", 4096) == {**small, **compiling.NO_COMMAND_BUFFERS}
+    assert compiling.xla_compiler_options(options.replace(cuda_graph_max_tokens=None), "gpu", 4096) == small
+    assert compiling.xla_compiler_options(options, "cpu", 4096) is None
+    with pytest.raises(ValueError, match="cuda_graph_max_tokens must be at least 1"):
+        StepOptions(cuda_graph_max_tokens=0)
+
+
 def test_gemm_backend_options():
     """Who runs the GEMMs is an XLA compile option on GPUs only, one for every step of an
     engine (TP and SP steps must do the same arithmetic); cuBLAS unless asked."""

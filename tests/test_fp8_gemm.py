@@ -146,6 +146,8 @@ def test_configs_refuse_bad_tiles():
         mosaic.W8A16Config(tile_n=32)
     with pytest.raises(ValueError, match="tile_k must be a positive multiple of 128"):
         mosaic.W8A8Config(tile_k=64)
+    with pytest.raises(ValueError, match="persistent needs warp_specialized"):
+        mosaic.W8A8Config(persistent=True, warp_specialized=False)
     with pytest.raises(ValueError, match="split_k must be >= 1"):
         mosaic.W8A16Config(split_k=0)
 
@@ -280,13 +282,19 @@ def test_w8a8_kernel_matches_reference(n, k, m):
     _check_w8a8(out, fp8_gemm.w8a8_matmul_reference(x, values, scale))
 
 
+PERSISTENT = mosaic.W8A8Config(persistent=True)
+NOT_PERSISTENT = mosaic.W8A8Config(128, 128, 128, 3, True)
+
+
 @pytest.mark.parametrize("config", [mosaic.W8A8Config(128, 128, 128, 3, True), mosaic.W8A8Config(64, 256, 128, 3, True),
-                                    mosaic.W8A8Config(128, 128, 128, 4, False)])
+                                    mosaic.W8A8Config(128, 128, 128, 4, False), PERSISTENT,
+                                    PERSISTENT.replace(tile_m=64)])
+@pytest.mark.parametrize("n,k,m", [(1024, 4096, 512), (4096, 1024, 4000)])  # 16 output tiles; 512, more than the SMs
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (Hopper)")
-def test_w8a8_kernel_configs(config):
-    values, scale = _weight(1024, 4096, 14)
-    x = _x(512, 4096, 15)
+def test_w8a8_kernel_configs(config, n, k, m):
+    values, scale = _weight(n, k, 14)
+    x = _x(m, k, 15)
     out = jax.jit(lambda x, v, s: mosaic.w8a8_matmul(x, v, s, config))(x, values, scale)
     _check_w8a8(out, fp8_gemm.w8a8_matmul_reference(x, values, scale))
 
@@ -298,8 +306,10 @@ def test_mosaic_kernels_read_a_layer_of_the_stack():
     layer of the stacked weights, and only that one."""
     stack = [_weight(1024, 2048, 40 + i) for i in range(3)]
     values, scale = jnp.stack([v for v, _ in stack]), jnp.stack([s for _, s in stack])
+    not_persistent = functools.partial(mosaic.w8a8_matmul, config=NOT_PERSISTENT)
     for kernel, reference, check, m in ((mosaic.w8a16_matmul, fp8_gemm.w8a16_matmul_reference, _check, 16),
-                                        (mosaic.w8a8_matmul, fp8_gemm.w8a8_matmul_reference, _check_w8a8, 300)):
+                                        (mosaic.w8a8_matmul, fp8_gemm.w8a8_matmul_reference, _check_w8a8, 300),
+                                        (not_persistent, fp8_gemm.w8a8_matmul_reference, _check_w8a8, 300)):
         x = _x(m, 2048, 43)
         run = jax.jit(lambda x, v, s, i, kernel=kernel: kernel(x, v, s, layer=i))
         for layer in (2, 0):
@@ -318,7 +328,9 @@ def test_pallas_kernels_read_the_last_layer_of_a_stack_past_2_gib():
     dispatch = functools.partial(fp8_gemm.fp8_matmul, algorithm="w8a16", implementation="pallas")
     for kernel, reference, check, m in ((mosaic.w8a16_matmul, fp8_gemm.w8a16_matmul_reference, _check, 64),
                                         (dispatch, fp8_gemm.w8a16_matmul_reference, _check, 16),
-                                        (mosaic.w8a8_matmul, fp8_gemm.w8a8_matmul_reference, _check_w8a8, 512)):
+                                        (mosaic.w8a8_matmul, fp8_gemm.w8a8_matmul_reference, _check_w8a8, 512),
+                                        (functools.partial(mosaic.w8a8_matmul, config=NOT_PERSISTENT),
+                                         fp8_gemm.w8a8_matmul_reference, _check_w8a8, 512)):
         x = _x(m, k, 51)
         out = jax.jit(lambda x, v, s, i, kernel=kernel: kernel(x, v, s, layer=i))(x, values, scale, jnp.int32(layers - 1))
         check(out, reference(x, values[layers - 1], scale[layers - 1]))

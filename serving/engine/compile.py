@@ -57,8 +57,12 @@ def usable_cpus() -> int:
 NO_REMATERIALIZATION = {"xla_disable_hlo_passes": "rematerialization"}
 
 
-def xla_compiler_options(options: StepOptions, platform: str) -> dict | None:
-    """XLA's compile options for every step on ``platform`` (a device's ``platform``).
+NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
+
+
+def xla_compiler_options(options: StepOptions, platform: str, num_tokens: int = 0) -> dict | None:
+    """XLA's compile options for a step of ``num_tokens`` on ``platform`` (a device's
+    ``platform``; 0: a step of unknown size, taken as small).
 
     On GPUs, no rematerialization (``NO_REMATERIALIZATION``). ``gemm="triton"``: otherwise
     XLA's defaults (GEMMs by Triton fusions it autotunes). ``gemm="cublas"``: every GEMM
@@ -66,12 +70,18 @@ def xla_compiler_options(options: StepOptions, platform: str) -> dict | None:
     two collectives (by default five commands or more; with cuBLAS, fewer fusions leave
     shorter runs, launched one by one). cuBLAS compiles several times faster and serves
     batches faster; Triton decodes one sequence a little faster (benchmarks/README.md,
-    "Two GPUs"). ``options.xla_options`` come on top, on every platform."""
+    "Two GPUs"). Past ``options.cuda_graph_max_tokens``, no command buffers
+    (``NO_COMMAND_BUFFERS``): a 4,096-token prefill of the Llama-3.1-8B shape spent 4-5 ms
+    of the host's time launching its graph, re-recorded first, while the device waited
+    (benchmarks/README.md, "One GPU: FP8 weights"). ``options.xla_options`` come on top, on
+    every platform."""
     extra = dict(options.xla_options)
     if platform != "gpu":
         return extra or None
     gemm = {} if options.gemm == "triton" else {"xla_gpu_enable_triton_gemm": False, "xla_gpu_graph_min_graph_size": 1}
-    return {**NO_REMATERIALIZATION, **gemm, **extra}
+    limit = options.cuda_graph_max_tokens
+    graphs = NO_COMMAND_BUFFERS if limit is not None and num_tokens > limit else {}
+    return {**NO_REMATERIALIZATION, **gemm, **graphs, **extra}
 
 
 def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, modes, options: StepOptions, *,
@@ -92,11 +102,12 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
     event) and those the store supplied."""
     start = time.perf_counter()
     _require_max_pages(options)
-    compiler_options = xla_compiler_options(options, weights.mesh.devices.flat[0].platform)
     steps = _steps(weights, ladder, modes)
     if only is not None:
         only = set(only)
         steps = [k for k in steps if k in only]
+    platform = weights.mesh.devices.flat[0].platform
+    compiler_options = {key: xla_compiler_options(options, platform, key[1]) for key in steps}
     compiled, seconds, store_keys = {}, {}, {}
 
     def ready(key, executable, elapsed):
@@ -108,7 +119,8 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
         devices = list(weights.mesh.devices.flat)
         for mode, t, b in steps:
             store_keys[(mode, t, b)] = step_key(weights, caches, options, mode=mode, num_tokens=t, num_seqs=b,
-                                                result_rows=ladder.result_rows, compiler_options=compiler_options)
+                                                result_rows=ladder.result_rows,
+                                                compiler_options=compiler_options[(mode, t, b)])
 
         def load(key):
             began = time.perf_counter()
@@ -126,7 +138,7 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
         def compile_one(key):
             began = time.perf_counter()
             hits_before = events.hits_by_thread[threading.get_ident()]
-            executable = lowered[key].compile(compiler_options)
+            executable = lowered[key].compile(compiler_options[key])
             elapsed = time.perf_counter() - began
             # Only an executable XLA just compiled is stored: one that JAX loaded from its
             # persistent cache, serialized again, loads but fails when run on the CPU
@@ -187,7 +199,7 @@ def temporary_bytes(weights: ModelWeights, caches: KVCache, ladder: BucketLadder
     _require_max_pages(options)
     largest = BucketLadder((ladder.token_buckets[-1],), (ladder.seq_buckets[-1],))
     platform = weights.mesh.devices.flat[0].platform
-    compiler_options = xla_compiler_options(options, platform)
+    compiler_options = xla_compiler_options(options, platform, largest.token_buckets[0])
     key = None
     if store is not None:
         key = temporaries_key(weights, caches, options, modes=modes, num_tokens=largest.token_buckets[0],
