@@ -33,6 +33,8 @@ from pathlib import Path
 CONFIGS = Path(__file__).resolve().parent / "configs"
 SERVE_8B = ["--max-model-len", "5120", "--max-num-seqs", "64", "--max-num-batched-tokens", "4096",
             "--token-buckets", "16,64,4096", "--seq-buckets", "1,64"]
+SERVE_8B_C1 = ["--max-model-len", "2048", "--max-num-seqs", "4", "--max-num-batched-tokens", "1024",
+               "--token-buckets", "16,1024", "--seq-buckets", "1", "--no-compilation-cache"]
 SERVE_70B = ["--max-model-len", "2048", "--max-num-seqs", "16", "--max-num-batched-tokens", "1024",
              "--token-buckets", "16,1024", "--seq-buckets", "1"]
 # name -> (model config, serve arguments, environment)
@@ -47,10 +49,20 @@ DEPLOYMENTS = {
     # (the cache at 80% of what is left, not 90%: headroom for the holes weight loading leaves)
     "fp8_70b": ("Llama-3.1-70B", [*SERVE_70B, "--quantization", "fp8", "--kv-memory-fraction", "0.8"],
                 {"XLA_CLIENT_MEM_FRACTION": "0.94"}),
+    # decode at one request under XLA's command-buffer (CUDA graph) settings: two executables
+    # each, no compilation cache (its key must not mix the variants)
+    "bf16_c1": ("Llama-3.1-8B", [*SERVE_8B_C1], {}),
+    "fp8_c1": ("Llama-3.1-8B", [*SERVE_8B_C1, "--quantization", "fp8"], {}),
+    "fp8_c1_no_graphs": ("Llama-3.1-8B", [*SERVE_8B_C1, "--quantization", "fp8"],
+                         {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}),
+    "fp8_c1_untraced_calls": ("Llama-3.1-8B", [*SERVE_8B_C1, "--quantization", "fp8"],
+                              {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUDNN"}),
+    "fp8_c1_vmm": ("Llama-3.1-8B", [*SERVE_8B_C1, "--quantization", "fp8", "--gpu-allocator", "vmm"], {}),
 }
 LOADS = {"bf16": ("c1", "c64", "ttft4096"), "fp8": ("c1", "c64", "ttft4096"), "fp8_kv": ("c1", "c64"),
          "bf16_vmm": ("c1", "c64", "ttft4096"), "fp8_vmm": ("c1", "c64", "ttft4096"),
-         "fp8_70b": ("c1",)}
+         "fp8_70b": ("c1",), "bf16_c1": ("c1",), "fp8_c1": ("c1",), "fp8_c1_no_graphs": ("c1",),
+         "fp8_c1_untraced_calls": ("c1",), "fp8_c1_vmm": ("c1",)}
 
 # roofline.read_ceiling in a process of its own, so that this one never holds GPU memory
 STREAM_PROBE = r"""
@@ -179,7 +191,7 @@ def main():
         (args.out / "fp8_served.json").write_text(json.dumps(result, indent=1))
     for name, entry in result["deployments"].items():
         # each against bf16 under the same allocator
-        base = result["deployments"].get("bf16_vmm" if name.endswith("_vmm") else "bf16")
+        base = result["deployments"].get("bf16_c1" if "_c1" in name else "bf16_vmm" if name.endswith("_vmm") else "bf16")
         if base is None or name.startswith("bf16"):
             continue
         for load, run in entry["runs"].items():

@@ -438,6 +438,26 @@ def test_large_steps_launch_without_cuda_graphs():
         StepOptions(cuda_graph_max_tokens=0)
 
 
+def test_mosaic_kernels_launch_outside_cuda_graphs():
+    """A step with Mosaic GPU kernels (FP8 weights) keeps XLA's own kernels and cuBLAS in its
+    command buffers and launches custom calls between them, which XLA would otherwise trace
+    again whenever their buffers moved; past ``cuda_graph_max_tokens`` it has no graphs at all."""
+    options = StepOptions()
+    plain = compiling.xla_compiler_options(options, "gpu", 16)
+    mosaic = compiling.xla_compiler_options(options, "gpu", 16, mosaic_kernels=True)
+    assert mosaic == {**plain, **compiling.GRAPHS_WITHOUT_CUSTOM_CALLS}
+    commands = mosaic["xla_gpu_enable_command_buffer"].split(",")
+    assert "CUSTOM_CALL" not in commands and "FUSION" in commands
+    assert compiling.xla_compiler_options(options, "gpu", 4096, mosaic_kernels=True) == \
+        compiling.xla_compiler_options(options, "gpu", 4096)
+    assert compiling.xla_compiler_options(options, "cpu", 16, mosaic_kernels=True) is None
+    # FP8 weights run the Mosaic kernels where asked or, by default, on Hopper GPUs only
+    mesh = make_mesh(1, 1)
+    assert compiling.runs_mosaic_kernels("fp8", mesh, options.replace(quantized_gemm="pallas"))
+    assert not compiling.runs_mosaic_kernels("fp8", mesh, options)  # auto on the CPU: the reference
+    assert not compiling.runs_mosaic_kernels("none", mesh, options.replace(quantized_gemm="pallas"))
+
+
 def test_gemm_backend_options():
     """Who runs the GEMMs is an XLA compile option on GPUs only, one for every step of an
     engine (TP and SP steps must do the same arithmetic); cuBLAS unless asked."""

@@ -22,7 +22,7 @@ from shiftjax.serving.engine.executable_store import ExecutableStore, step_key, 
 from shiftjax.serving.engine.executables import Executables, engine_step
 from shiftjax.serving.engine.transfers import batch_sharding, result_columns
 from shiftjax.step_options import StepOptions
-from shiftjax.steps import make_step, params_for
+from shiftjax.steps import make_step, params_for, quantized_gemm_for
 from shiftjax.weights import ModelWeights
 
 
@@ -59,10 +59,22 @@ NO_REMATERIALIZATION = {"xla_disable_hlo_passes": "rematerialization"}
 
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 
+# XLA puts a custom call (an FFI handler, as Mosaic GPU kernels are) into a command buffer by
+# tracing it (stream capture), and keeps the traces of its last 16 sets of buffer addresses.
+# Under JAX's default allocator a decode step's temporaries move from step to step, so an
+# FP8 step's Mosaic GEMMs were traced again at every launch: served Llama-3.1-8B FP8 TPOT at
+# one request 5.71 ms with them in the graphs, 4.79 ms launched between the graphs' pieces
+# (4.71 ms under the VMM allocator, whose addresses stay; bf16 6.24 ms; one H100, one call:
+# benchmarks/README.md, "FP8 weights"). The Pallas Triton kernels are XLA's own kernels, not
+# custom calls, and stay in the graphs.
+GRAPHS_WITHOUT_CUSTOM_CALLS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUDNN"}
 
-def xla_compiler_options(options: StepOptions, platform: str, num_tokens: int = 0) -> dict | None:
+
+def xla_compiler_options(options: StepOptions, platform: str, num_tokens: int = 0,
+                         mosaic_kernels: bool = False) -> dict | None:
     """XLA's compile options for a step of ``num_tokens`` on ``platform`` (a device's
-    ``platform``; 0: a step of unknown size, taken as small).
+    ``platform``; 0: a step of unknown size, taken as small); ``mosaic_kernels``: the step
+    multiplies FP8 weights with the Mosaic GPU kernels (:func:`runs_mosaic_kernels`).
 
     On GPUs, no rematerialization (``NO_REMATERIALIZATION``). ``gemm="triton"``: otherwise
     XLA's defaults (GEMMs by Triton fusions it autotunes). ``gemm="cublas"``: every GEMM
@@ -73,15 +85,25 @@ def xla_compiler_options(options: StepOptions, platform: str, num_tokens: int = 
     "Two GPUs"). Past ``options.cuda_graph_max_tokens``, no command buffers
     (``NO_COMMAND_BUFFERS``): a 4,096-token prefill of the Llama-3.1-8B shape spent 4-5 ms
     of the host's time launching its graph, re-recorded first, while the device waited
-    (benchmarks/README.md, "One GPU: FP8 weights"). ``options.xla_options`` come on top, on
-    every platform."""
+    (benchmarks/README.md, "One GPU: FP8 weights"). Below it, a step with Mosaic GPU kernels
+    leaves custom calls out of its graphs (``GRAPHS_WITHOUT_CUSTOM_CALLS``).
+    ``options.xla_options`` come on top, on every platform."""
     extra = dict(options.xla_options)
     if platform != "gpu":
         return extra or None
     gemm = {} if options.gemm == "triton" else {"xla_gpu_enable_triton_gemm": False, "xla_gpu_graph_min_graph_size": 1}
     limit = options.cuda_graph_max_tokens
-    graphs = NO_COMMAND_BUFFERS if limit is not None and num_tokens > limit else {}
+    if limit is not None and num_tokens > limit:
+        graphs = NO_COMMAND_BUFFERS
+    else:
+        graphs = GRAPHS_WITHOUT_CUSTOM_CALLS if mosaic_kernels else {}
     return {**NO_REMATERIALIZATION, **gemm, **graphs, **extra}
+
+
+def runs_mosaic_kernels(quantization: str, mesh, options: StepOptions) -> bool:
+    """Whether the steps of weights quantized by ``quantization`` on ``mesh`` multiply them
+    with the Mosaic GPU kernels (custom calls)."""
+    return quantization != "none" and quantized_gemm_for(options.quantized_gemm, mesh) == "pallas"
 
 
 def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, modes, options: StepOptions, *,
@@ -107,7 +129,8 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
         only = set(only)
         steps = [k for k in steps if k in only]
     platform = weights.mesh.devices.flat[0].platform
-    compiler_options = {key: xla_compiler_options(options, platform, key[1]) for key in steps}
+    mosaic = runs_mosaic_kernels(weights.quantization, weights.mesh, options)
+    compiler_options = {key: xla_compiler_options(options, platform, key[1], mosaic) for key in steps}
     compiled, seconds, store_keys = {}, {}, {}
 
     def ready(key, executable, elapsed):
@@ -199,7 +222,8 @@ def temporary_bytes(weights: ModelWeights, caches: KVCache, ladder: BucketLadder
     _require_max_pages(options)
     largest = BucketLadder((ladder.token_buckets[-1],), (ladder.seq_buckets[-1],))
     platform = weights.mesh.devices.flat[0].platform
-    compiler_options = xla_compiler_options(options, platform, largest.token_buckets[0])
+    compiler_options = xla_compiler_options(options, platform, largest.token_buckets[0],
+                                            runs_mosaic_kernels(weights.quantization, weights.mesh, options))
     key = None
     if store is not None:
         key = temporaries_key(weights, caches, options, modes=modes, num_tokens=largest.token_buckets[0],
