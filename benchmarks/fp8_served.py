@@ -58,11 +58,13 @@ DEPLOYMENTS = {
     "fp8_c1_untraced_calls": ("Llama-3.1-8B", [*SERVE_8B_C1, "--quantization", "fp8"],
                               {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUDNN"}),
     "fp8_c1_vmm": ("Llama-3.1-8B", [*SERVE_8B_C1, "--quantization", "fp8", "--gpu-allocator", "vmm"], {}),
+    "fp8_c1_trace_cache_256": ("Llama-3.1-8B", [*SERVE_8B_C1, "--quantization", "fp8"],
+                               {"XLA_FLAGS": "--xla_cmd_buffer_trace_cache_size=256"}),
 }
 LOADS = {"bf16": ("c1", "c64", "ttft4096"), "fp8": ("c1", "c64", "ttft4096"), "fp8_kv": ("c1", "c64"),
          "bf16_vmm": ("c1", "c64", "ttft4096"), "fp8_vmm": ("c1", "c64", "ttft4096"),
          "fp8_70b": ("c1",), "bf16_c1": ("c1",), "fp8_c1": ("c1",), "fp8_c1_no_graphs": ("c1",),
-         "fp8_c1_untraced_calls": ("c1",), "fp8_c1_vmm": ("c1",)}
+         "fp8_c1_untraced_calls": ("c1",), "fp8_c1_vmm": ("c1",), "fp8_c1_trace_cache_256": ("c1",)}
 
 # roofline.read_ceiling in a process of its own, so that this one never holds GPU memory
 STREAM_PROBE = r"""

@@ -61,12 +61,13 @@ NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 
 # XLA puts a custom call (an FFI handler, as Mosaic GPU kernels are) into a command buffer by
 # tracing it (stream capture), and keeps the traces of its last 16 sets of buffer addresses.
-# Under JAX's default allocator a decode step's temporaries move from step to step, so an
-# FP8 step's Mosaic GEMMs were traced again at every launch: served Llama-3.1-8B FP8 TPOT at
-# one request 5.71 ms with them in the graphs, 4.79 ms launched between the graphs' pieces
-# (4.71 ms under the VMM allocator, whose addresses stay; bf16 6.24 ms; one H100, one call:
-# benchmarks/README.md, "FP8 weights"). The Pallas Triton kernels are XLA's own kernels, not
-# custom calls, and stay in the graphs.
+# Under JAX's default allocator a decode step's temporaries can move from step to step, and
+# then an FP8 step's Mosaic GEMMs are traced again at every launch. Served Llama-3.1-8B FP8
+# TPOT at one request on an H100 (bf16 6.24 ms), four runs traced: 5.29, 5.71, 4.77, 4.66 ms
+# (two paid for new traces, two did not); three runs launched between the graphs' pieces:
+# 4.79, 4.91, 4.71 ms (benchmarks/README.md, "FP8 weights"). Untraced costs at most a few
+# percent against a lucky traced run and removes the unlucky ones. The Pallas Triton kernels
+# are XLA's own kernels, not custom calls, and stay in the graphs.
 GRAPHS_WITHOUT_CUSTOM_CALLS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUDNN"}
 
 
