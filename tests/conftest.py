@@ -24,3 +24,13 @@ try:  # the transformers oracle: one thread is ~15x faster than two on this 2-co
     torch.set_num_threads(1)
 except ImportError:
     pass
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``make test`` runs two workers), the controller prepares the
+    default model's checkpoint once before the workers start, so that no two of them
+    import the GGUF into the same cache at once."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        from shiftjax.checkpoints.default_model import default_model_path
+
+        default_model_path()
