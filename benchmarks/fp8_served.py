@@ -53,18 +53,15 @@ DEPLOYMENTS = {
     # each, no compilation cache (its key must not mix the variants)
     "bf16_c1": ("Llama-3.1-8B", [*SERVE_8B_C1], {}),
     "fp8_c1": ("Llama-3.1-8B", [*SERVE_8B_C1, "--quantization", "fp8"], {}),
-    "fp8_c1_no_graphs": ("Llama-3.1-8B", [*SERVE_8B_C1, "--quantization", "fp8"],
-                         {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}),
-    "fp8_c1_untraced_calls": ("Llama-3.1-8B", [*SERVE_8B_C1, "--quantization", "fp8"],
-                              {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUDNN"}),
     "fp8_c1_vmm": ("Llama-3.1-8B", [*SERVE_8B_C1, "--quantization", "fp8", "--gpu-allocator", "vmm"], {}),
-    "fp8_c1_trace_cache_256": ("Llama-3.1-8B", [*SERVE_8B_C1, "--quantization", "fp8"],
-                               {"XLA_FLAGS": "--xla_cmd_buffer_trace_cache_size=256"}),
+    **{f"fp8_c1_{name}": ("Llama-3.1-8B", [*SERVE_8B_C1, "--quantization", "fp8"], {"XLA_FLAGS": flags})
+       for name, flags in (("no_graphs", "--xla_gpu_enable_command_buffer="),
+                           ("untraced_calls", "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUDNN"),
+                           ("trace_cache_256", "--xla_cmd_buffer_trace_cache_size=256"))},
 }
 LOADS = {"bf16": ("c1", "c64", "ttft4096"), "fp8": ("c1", "c64", "ttft4096"), "fp8_kv": ("c1", "c64"),
          "bf16_vmm": ("c1", "c64", "ttft4096"), "fp8_vmm": ("c1", "c64", "ttft4096"),
-         "fp8_70b": ("c1",), "bf16_c1": ("c1",), "fp8_c1": ("c1",), "fp8_c1_no_graphs": ("c1",),
-         "fp8_c1_untraced_calls": ("c1",), "fp8_c1_vmm": ("c1",), "fp8_c1_trace_cache_256": ("c1",)}
+         "fp8_70b": ("c1",), **{name: ("c1",) for name in DEPLOYMENTS if "_c1" in name}}
 
 # roofline.read_ceiling in a process of its own, so that this one never holds GPU memory
 STREAM_PROBE = r"""

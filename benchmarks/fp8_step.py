@@ -39,7 +39,7 @@ from shiftjax.checkpoints.dummy import dummy_weights
 from shiftjax.config import ModelConfig
 from shiftjax.kernels.fp8_gemm import DEFAULT_CHOICE, Fp8GemmChoice
 from shiftjax.layouts.mesh import make_mesh
-from shiftjax.serving.engine.compile import runs_mosaic_kernels, xla_compiler_options
+from shiftjax.serving.engine.compile import step_compiler_options
 from shiftjax.step_options import StepOptions
 from shiftjax.steps import make_step
 
@@ -164,8 +164,7 @@ def main():
                 run_step = step
                 if args.served_options:
                     run_step = step.lower(weights.tp, caches, batch).compile(
-                        xla_compiler_options(options, jax.devices()[0].platform, tokens,
-                                             runs_mosaic_kernels(weights.quantization, weights.mesh, options)))
+                        step_compiler_options(weights, options, tokens))
                 out, caches = run_step(weights.tp, caches, batch)
                 jax.block_until_ready(out.packed)
                 compile_s = time.perf_counter() - started

@@ -107,6 +107,13 @@ def runs_mosaic_kernels(quantization: str, mesh, options: StepOptions) -> bool:
     return quantization != "none" and quantized_gemm_for(options.quantized_gemm, mesh) == "pallas"
 
 
+def step_compiler_options(weights: ModelWeights, options: StepOptions, num_tokens: int) -> dict | None:
+    """:func:`xla_compiler_options` for a step of ``num_tokens`` over ``weights``: their
+    devices' platform, and whether they run the Mosaic GPU kernels."""
+    return xla_compiler_options(options, weights.mesh.devices.flat[0].platform, num_tokens,
+                                runs_mosaic_kernels(weights.quantization, weights.mesh, options))
+
+
 def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, modes, options: StepOptions, *,
                 progress: Callable[[int, int, float], None] | None = None, workers: int | None = None,
                 store: ExecutableStore | None = None, report: Callable[[str], None] | None = None,
@@ -129,9 +136,7 @@ def compile_all(weights: ModelWeights, caches: KVCache, ladder: BucketLadder, mo
     if only is not None:
         only = set(only)
         steps = [k for k in steps if k in only]
-    platform = weights.mesh.devices.flat[0].platform
-    mosaic = runs_mosaic_kernels(weights.quantization, weights.mesh, options)
-    compiler_options = {key: xla_compiler_options(options, platform, key[1], mosaic) for key in steps}
+    compiler_options = {key: step_compiler_options(weights, options, key[1]) for key in steps}
     compiled, seconds, store_keys = {}, {}, {}
 
     def ready(key, executable, elapsed):
@@ -223,8 +228,7 @@ def temporary_bytes(weights: ModelWeights, caches: KVCache, ladder: BucketLadder
     _require_max_pages(options)
     largest = BucketLadder((ladder.token_buckets[-1],), (ladder.seq_buckets[-1],))
     platform = weights.mesh.devices.flat[0].platform
-    compiler_options = xla_compiler_options(options, platform, largest.token_buckets[0],
-                                            runs_mosaic_kernels(weights.quantization, weights.mesh, options))
+    compiler_options = step_compiler_options(weights, options, largest.token_buckets[0])
     key = None
     if store is not None:
         key = temporaries_key(weights, caches, options, modes=modes, num_tokens=largest.token_buckets[0],
