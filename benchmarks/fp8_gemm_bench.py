@@ -115,6 +115,28 @@ def _split_for(n: int, k: int, rows: int, block_k: int, programs: int = 264) -> 
     return split
 
 
+def triton_variants(n: int, k: int) -> list:
+    """The Triton w8a16 tiles the sweep tries: the earlier default's (64 rows, split-K to 2
+    programs per SM), tiles with no split-K (no float32 partials, no XLA sum after the
+    kernel) whose programs are narrower so that there are still one or two per SM, and the
+    default (triton_w8a16_config)."""
+    t = triton.TritonW8A16Config
+    split = lambda rows, block_k: _split_for(n, k, rows, block_k)  # noqa: E731
+    return [t(64, 256, split(64, 256), 4, 4), t(128, 128, split(128, 128), 8, 5),
+            t(32, 256, split(32, 256), 4, 4), t(32, 256, 2, 4, 4),
+            t(16, 256, 1, 4, 4), t(16, 512, 1, 4, 3), t(16, 256, 1, 2, 6), t(16, 128, 1, 4, 8),
+            t(32, 256, 1, 4, 4), t(32, 256, 1, 4, 6), t(32, 512, 1, 4, 3), t(32, 128, 1, 4, 8),
+            t(64, 256, 1, 4, 4), t(64, 128, 1, 4, 6), triton.triton_w8a16_config(n, k, 16)]
+
+
+def mosaic_variants(n: int, k: int) -> list:
+    """The Mosaic GPU w8a16 tiles the sweep tries beside the default (w8a16_config)."""
+    c = mosaic.W8A16Config
+    split = lambda rows, tile_k: _split_for(n, k, rows, tile_k)  # noqa: E731
+    return [c(64, 256, 6, split(64, 256)), c(64, 512, 4, split(64, 512)), c(64, 128, 8, split(64, 128)),
+            c(64, 256, 4, 1), c(64, 512, 3, 1), c(128, 256, 4, split(128, 256)), c(64, 256, 4, 2 * split(64, 256))]
+
+
 def sweep_implementations(n: int, k: int, m: int) -> dict:
     """--sweep: XLA's bf16 and w8a8 rows, then tile variants of both w8a16 kernels (Mosaic
     GPU and Triton) at decode token counts, or of the w8a8 kernel above 256 tokens."""
@@ -123,23 +145,13 @@ def sweep_implementations(n: int, k: int, m: int) -> dict:
         impls["triton_interpret"] = (lambda x, w, s: triton.w8a16_matmul(x, w, s, interpret=True), False, "w8a16")
         return impls
     if m <= W8A16_MAX_M:
-        variants = {
-            "triton_n64_k256_s4": triton.TritonW8A16Config(64, 256, _split_for(n, k, 64, 256), 4, 4),
-            "triton_n128_k256_s3": triton.TritonW8A16Config(128, 256, _split_for(n, k, 128, 256), 4, 3),
-            "triton_n64_k512_s3": triton.TritonW8A16Config(64, 512, _split_for(n, k, 64, 512), 4, 3),
-            "triton_n128_k128_s5_w8": triton.TritonW8A16Config(128, 128, _split_for(n, k, 128, 128), 8, 5),
-            "triton_n256_k64_s4_w8": triton.TritonW8A16Config(256, 64, _split_for(n, k, 256, 64), 8, 4),
-            "triton_n256_k128_s3_w8": triton.TritonW8A16Config(256, 128, _split_for(n, k, 256, 128), 8, 3),
-            "triton_n128_k64_s4": triton.TritonW8A16Config(128, 64, _split_for(n, k, 128, 64), 4, 4),
-        }
-        for v, c in variants.items():
-            impls[v] = (lambda x, w, s, c=c: triton.w8a16_matmul(x, w, s, c), False, "w8a16")
-        mosaic_variants = {
-            "mosaic_default": None,
-            "mosaic_t128_k256_s4": mosaic.W8A16Config(128, 256, 4, _split_for(n, k, 128, 256)),
-        }
-        for v, c in mosaic_variants.items():
-            impls[v] = (lambda x, w, s, c=c: mosaic.w8a16_matmul(x, w, s, c), False, "w8a16")
+        for c in (c for c in triton_variants(n, k) if c.divides(n, k)):  # no silent fallback to XLA
+            name = f"triton_n{c.block_n}_k{c.block_k}_split{c.split_k}_w{c.num_warps}_s{c.num_stages}"
+            impls[name] = (lambda x, w, s, c=c: triton.w8a16_matmul(x, w, s, c), False, "w8a16")
+        impls["mosaic_default"] = (lambda x, w, s: mosaic.w8a16_matmul(x, w, s), False, "w8a16")
+        for c in (c for c in mosaic_variants(n, k) if c.divides(n, k)):
+            name = f"mosaic_t{c.tile_n}_k{c.tile_k}_split{c.split_k}_s{c.stages}"
+            impls[name] = (lambda x, w, s, c=c: mosaic.w8a16_matmul(x, w, s, c), False, "w8a16")
     else:
         variants = {
             "mosaic_w8a8_default": None,

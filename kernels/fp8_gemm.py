@@ -33,10 +33,19 @@ ALGORITHMS = ("w8a16", "w8a8")
 _IMPLEMENTATIONS = ("reference", "pallas")
 
 
-# Pallas's Triton lowering computes a ref's element offsets in int32: past this many
-# elements its loads read the wrong memory (on the H200, the last layer of Llama-3.1-8B's
-# 32-layer gate|up stack gave products 100x off: benchmarks/results/fp8_h200/stack_past_2_gib/).
+# Pallas's Triton lowering computes the element offsets of a ref of at most 4 GiB in 32 bits,
+# read as signed: past this many elements its loads read the wrong memory (on the H200, the
+# last layer of Llama-3.1-8B's 32-layer gate|up stack gave products 100x off:
+# benchmarks/results/fp8_h200/stack_past_2_gib/). A ref of more bytes than
+# TRITON_WIDE_OFFSET_BYTES gets 64-bit offsets.
 TRITON_MAX_ELEMENTS = 2**31 - 1
+TRITON_WIDE_OFFSET_BYTES = 2**32
+
+
+def triton_reaches(elements: int, itemsize: int = 1) -> bool:
+    """Whether a Pallas Triton kernel can address every element of an operand of this many
+    ``itemsize``-byte elements (e4m3 by default)."""
+    return elements <= TRITON_MAX_ELEMENTS or elements * itemsize > TRITON_WIDE_OFFSET_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,13 +79,12 @@ class Fp8GemmChoice:
         return "w8a16" if tokens <= self.w8a16_max_tokens else "w8a8"
 
     def kernel(self, algorithm: str, rows: int, weight_elements: int = 0) -> str:
-        """The GPU kernel of ``algorithm`` for a GEMM of ``rows`` rows whose weight operand
-        (every layer's, where the kernel reads a layer of the stack) has ``weight_elements``
-        elements: ``triton``, ``mosaic`` or ``cublas``. The Triton kernel addresses its
-        operand with 32-bit offsets, so a larger weight goes to the Mosaic kernel."""
+        """The GPU kernel of ``algorithm`` for a GEMM of ``rows`` rows whose e4m3 weight
+        operand (every layer's, where the kernel reads a layer of the stack) has
+        ``weight_elements`` elements: ``triton``, ``mosaic`` or ``cublas``. A weight the
+        Triton kernel cannot address (:func:`triton_reaches`) goes to the Mosaic kernel."""
         if algorithm == "w8a16":
-            fits = weight_elements <= TRITON_MAX_ELEMENTS
-            return "triton" if rows <= self.triton_max_rows and fits else "mosaic"
+            return "triton" if rows <= self.triton_max_rows and triton_reaches(weight_elements) else "mosaic"
         return "cublas" if rows <= self.cublas_max_rows else "mosaic"
 
 

@@ -11,12 +11,19 @@ post-pass: the program applies the channel scales and writes bf16. With split-K 
 writes a float32 partial and XLA sums them and applies the scales in one fusion.
 
 The tokens are the dot's M, padded to a power of two of at least 16 (``tl.dot``'s minimum;
-Triton's blocks are powers of two); a decode step has 16 to 64. A shape whose ``n`` or ``k`` the config does not divide falls back to the reference.
-Runs in Pallas's interpreter on the CPU (``interpret=True``: the tests).
+Triton's blocks are powers of two); a decode step has 16 to 64. A shape whose ``n`` or ``k``
+the config does not divide falls back to the reference. Runs in Pallas's interpreter on the
+CPU (``interpret=True``: the tests).
 
-Pallas's Triton lowering computes the weight ref's element offsets in int32: the kernel
-refuses a weight of more than ``fp8_gemm.TRITON_MAX_ELEMENTS`` elements (every layer's,
-where it reads a layer of the stack), which ``Fp8GemmChoice`` sends to the Mosaic kernel.
+Weight stacks past 2 GiB: Pallas's Triton lowering computes a ref's element offsets in 32
+bits unless the ref holds more than 4 GiB, and the pointer arithmetic reads those bits as
+signed, so the elements of a 2-4 GiB ref past 2**31 are out of reach (Llama-3.1-8B's gate|up
+over 32 layers, 3.5 GiB of e4m3: on the H200 its last layer gave products 100x off,
+benchmarks/results/fp8_h200/stack_past_2_gib/). The kernel refuses such a stack, which
+``Fp8GemmChoice`` sends to the Mosaic kernel; past 4 GiB (every Llama-3.1-70B stack) the
+offsets are 64-bit and the kernel reads any layer. (Reading a 2-4 GiB stack as uint16 pairs
+of e4m3 values was tried: correct, but 8B's gate|up took 77 us against the Mosaic kernel's
+51 us on an H100, benchmarks/results/fp8_h100/triton_tiles/.)
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from jaxtyping import Array, Float, Int
 from . import fp8_gemm
 
 _MIN_DOT_M = 16
-_SM_COUNT = 132  # H200
+_SM_COUNT = 132  # H100 and H200
 _SMEM_BYTES = 227 * 1024 - 16 * 1024  # per program on the H200, less room for Triton's own buffers
 
 
@@ -43,7 +50,7 @@ class TritonW8A16Config:
     """``block_n`` weight rows by ``block_k`` per step, ``split_k`` pieces of K, and the
     Triton program's warps and pipeline stages."""
 
-    block_n: int = 64
+    block_n: int = 32
     block_k: int = 256
     split_k: int = 1
     num_warps: int = 4
@@ -62,12 +69,16 @@ class TritonW8A16Config:
 
 
 def triton_w8a16_config(n: int, k: int, m: int) -> TritonW8A16Config:
-    """The config for an ``[m, k] @ [n, k].T`` decode GEMM: 64-row blocks, and split-K
-    until there are two programs per SM (or the pieces get shorter than 4 steps)."""
+    """The config for an ``[m, k] @ [n, k].T`` decode GEMM: 32-row blocks, and split-K until
+    there are 1.5 programs per SM (or the pieces get shorter than 4 steps). Measured at 16
+    tokens on an H100, benchmarks/results/fp8_h100/triton_tiles/: against the 64-row blocks
+    with split-K to 2 programs per SM used before, Llama-3.1-8B's q|k|v took 14.5 us against
+    16.1, o 11.2 against 11.9, down 28.4 against 35.3 (XLA's sum of the partials included)."""
     del m
-    block_n, block_k = 64, 256
+    block_n, block_k = 32, 256
     split = 1
-    while (n // block_n) * split < 2 * _SM_COUNT and k % (block_k * split * 2) == 0 and k // (block_k * split * 2) >= 4:
+    while ((n // block_n) * split < 3 * _SM_COUNT // 2 and k % (block_k * split * 2) == 0
+           and k // (block_k * split * 2) >= 4):
         split *= 2
     return TritonW8A16Config(block_n=block_n, block_k=block_k, split_k=split)
 
@@ -106,9 +117,9 @@ def w8a16_matmul(
     layer ``layer`` where it lies. A slice taken in XLA instead would be copied out of the
     stack on every call (a custom call's operand is a buffer of its own): on the H200 that
     copy made the FP8 decode step slower than bf16's."""
-    if values.size > fp8_gemm.TRITON_MAX_ELEMENTS:
-        raise ValueError(f"the Triton w8a16 kernel addresses its weights with 32-bit offsets: a weight of "
-                         f"{values.size} elements (shape {values.shape}) needs the Mosaic GPU kernel")
+    if not fp8_gemm.triton_reaches(values.size):
+        raise ValueError(f"the Triton w8a16 kernel cannot address a weight of {values.size} elements (shape "
+                         f"{values.shape}): Pallas gives a 2-4 GiB operand 32-bit offsets; use the Mosaic GPU kernel")
     values, scale, layer = fp8_gemm.stacked_layers(values, scale, layer)
     m, k = x.shape
     n = values.shape[1]

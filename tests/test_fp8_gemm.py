@@ -98,18 +98,20 @@ def test_algorithm_choice():
 
 
 def test_kernel_choice_by_rows_and_weight_size():
+    """Pallas's Triton lowering addresses an operand of 2 to 4 GiB with signed 32-bit
+    offsets, which fall short; past 4 GiB with 64-bit ones."""
     choice = fp8_gemm.Fp8GemmChoice(triton_max_rows=16, cublas_max_rows=64)
     assert [choice.kernel("w8a16", rows) for rows in (1, 16, 17, 64)] == ["triton"] * 2 + ["mosaic"] * 2
     assert [choice.kernel("w8a8", rows) for rows in (64, 65, 4096)] == ["cublas"] + ["mosaic"] * 2
-    gate_up_8b = 32 * 28672 * 4096  # 8B's gate|up, every layer: past the Triton kernel's int32 offsets
-    assert choice.kernel("w8a16", 16, gate_up_8b) == "mosaic"
-    assert choice.kernel("w8a16", 16, 32 * 4096 * 14336) == "triton"  # its down projection fits
+    assert choice.kernel("w8a16", 16, 32 * 4096 * 14336) == "triton"   # 8B's down, every layer: 1.9e9 elements
+    assert choice.kernel("w8a16", 16, 32 * 28672 * 4096) == "mosaic"   # 8B's gate|up: 3.5 GiB
+    assert choice.kernel("w8a16", 16, 80 * 57344 * 8192) == "triton"   # 70B's gate|up: 35 GiB, 64-bit offsets
 
 
-def test_triton_kernel_refuses_a_weight_past_32_bit_offsets():
+def test_triton_kernel_refuses_a_weight_its_offsets_cannot_reach():
     values = jax.ShapeDtypeStruct((32, 28672, 4096), fp8_gemm.FP8)
     scale = jax.ShapeDtypeStruct((32, 28672), jnp.float32)
-    with pytest.raises(ValueError, match="32-bit offsets: a weight of 3758096384 elements"):
+    with pytest.raises(ValueError, match="cannot address a weight of 3758096384 elements"):
         jax.eval_shape(lambda x, v, s: triton.w8a16_matmul(x, v, s, layer=31, interpret=True),
                        jax.ShapeDtypeStruct((16, 4096), jnp.bfloat16), values, scale)
 
@@ -168,6 +170,7 @@ def test_undivided_shapes_fall_back_to_the_reference():
     (16, triton.TritonW8A16Config(64, 128, 1)),   # one piece: the program scales and writes bf16
     (5, triton.TritonW8A16Config(64, 128, 2)),    # split-K partials, m padded to 16
     (40, triton.TritonW8A16Config(128, 64, 4, num_warps=8, num_stages=2)),
+    (3, triton.TritonW8A16Config(16, 128, 2)),
 ])
 def test_triton_w8a16_kernel_in_the_interpreter(m, config):
     """The Triton kernel's own code (Pallas's interpreter on the CPU) against the
@@ -206,8 +209,10 @@ def test_triton_config_refuses_bad_blocks_and_falls_back_on_undivided_shapes():
 
 
 def test_triton_config_splits_k_for_few_rows():
-    assert triton.triton_w8a16_config(4096, 4096, 16).split_k == 4   # 64 blocks: 4 pieces of 4 steps
-    assert triton.triton_w8a16_config(28672, 4096, 16).split_k == 1  # 448 blocks fill 132 SMs
+    assert triton.triton_w8a16_config(4096, 4096, 16).split_k == 2    # 128 blocks: 2 pieces of 8 steps
+    assert triton.triton_w8a16_config(4096, 14336, 16).split_k == 2
+    assert triton.triton_w8a16_config(28672, 4096, 16).split_k == 1   # 896 blocks fill 132 SMs
+    assert triton.triton_w8a16_config(512, 2048, 16).split_k == 2     # more pieces would be under 4 steps
 
 
 # ------------------------------------------------------------------------------- GPU
@@ -321,19 +326,26 @@ def test_mosaic_kernels_read_a_layer_of_the_stack():
 def test_pallas_kernels_read_the_last_layer_of_a_stack_past_2_gib():
     """Llama-3.1-8B's gate|up over 32 layers (3.5 GiB of e4m3): the last layer lies past
     every 32-bit offset. Each Mosaic kernel's product with it is the reference's, and so is
-    the dispatch's at 16 rows (the Triton kernel's rows, whose int32 offsets cannot reach it)."""
-    layers, n, k = 32, 28672, 4096
-    values = jax.random.normal(jax.random.key(50), (layers, n, k), jnp.bfloat16).astype(fp8_gemm.FP8)
-    scale = jnp.full((layers, n), 0.01, jnp.float32)
+    the dispatch's at 16 rows (the Mosaic kernel: the Triton kernel's offsets fall short).
+    Past 4 GiB (40 layers) the dispatch runs the Triton kernel, on 64-bit offsets."""
+    n, k = 28672, 4096
     dispatch = functools.partial(fp8_gemm.fp8_matmul, algorithm="w8a16", implementation="pallas")
-    for kernel, reference, check, m in ((mosaic.w8a16_matmul, fp8_gemm.w8a16_matmul_reference, _check, 64),
-                                        (dispatch, fp8_gemm.w8a16_matmul_reference, _check, 16),
-                                        (mosaic.w8a8_matmul, fp8_gemm.w8a8_matmul_reference, _check_w8a8, 512),
-                                        (functools.partial(mosaic.w8a8_matmul, config=NOT_PERSISTENT),
-                                         fp8_gemm.w8a8_matmul_reference, _check_w8a8, 512)):
-        x = _x(m, k, 51)
-        out = jax.jit(lambda x, v, s, i, kernel=kernel: kernel(x, v, s, layer=i))(x, values, scale, jnp.int32(layers - 1))
-        check(out, reference(x, values[layers - 1], scale[layers - 1]))
+    for layers, kernels in (
+            (32, ((mosaic.w8a16_matmul, fp8_gemm.w8a16_matmul_reference, _check, 64),
+                  (dispatch, fp8_gemm.w8a16_matmul_reference, _check, 16),
+                  (mosaic.w8a8_matmul, fp8_gemm.w8a8_matmul_reference, _check_w8a8, 512),
+                  (functools.partial(mosaic.w8a8_matmul, config=NOT_PERSISTENT),
+                   fp8_gemm.w8a8_matmul_reference, _check_w8a8, 512))),
+            (40, ((dispatch, fp8_gemm.w8a16_matmul_reference, _check, 16),))):
+        values = jax.random.normal(jax.random.key(50), (layers, n, k), jnp.bfloat16).astype(fp8_gemm.FP8)
+        scale = jnp.full((layers, n), 0.01, jnp.float32)
+        assert fp8_gemm.triton_reaches(values.size) == (layers == 40)
+        for kernel, reference, check, m in kernels:
+            x = _x(m, k, 51)
+            out = jax.jit(lambda x, v, s, i, kernel=kernel: kernel(x, v, s, layer=i))(
+                x, values, scale, jnp.int32(layers - 1))
+            check(out, reference(x, values[layers - 1], scale[layers - 1]))
+        del values
 
 
 @pytest.mark.gpu
