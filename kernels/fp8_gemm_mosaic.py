@@ -92,8 +92,14 @@ class W8A16Config:
     tile_k: int = 256
     stages: int = 4
     split_k: int = 1
+    # "bf16": the weights converted to bf16 (through float16 and float32 in registers) and x
+    # taken as it is, with no pre-pass, and without split-K the channel scales applied in the
+    # kernel, which writes bf16 (an experiment: the sweep's mosaic_*_bf16 variants)
+    operand: str = "f16"
 
     def __post_init__(self):
+        if self.operand not in ("f16", "bf16"):
+            raise ValueError(f"W8A16Config.operand must be 'f16' or 'bf16', got {self.operand!r}")
         if self.tile_n not in (64, 128):
             raise ValueError(f"W8A16Config.tile_n must be 64 or 128 (wgmma M), got {self.tile_n}")
         if self.tile_k % 128 or self.tile_k <= 0:
@@ -127,29 +133,38 @@ def _f16_rows(x: Float[Array, "m k"]) -> tuple[Float[Array, "m k"], Float[Array,
 
 
 def _w8a16_partials(
-    x16: Float[Array, "m_pad k"], values: Float[Array, "layers n k"], layer: Int[Array, "1"], config: W8A16Config
+    x_op: Float[Array, "m_pad k"], values: Float[Array, "layers n k"], scale: Float[Array, "layers n"],
+    layer: Int[Array, "1"], config: W8A16Config,
 ) -> Float[Array, "n split_m"]:
-    m_pad, k = x16.shape
+    """``W @ x.T`` per piece of K: float32 ``[n, split * m_pad]``; or, with one piece and
+    bf16 operands, bf16 ``[n, m_pad]`` with the layer's channel scales applied."""
+    m_pad, k = x_op.shape
     n = values.shape[1]
     tile_n, tile_k, split = config.tile_n, config.tile_k, config.split_k
     k_steps = k // (tile_k * split)
-    operand_dtype = x16.dtype
-    out_transforms = _tiled(m_pad, _F32)
-    stages = _fitting_stages(config.stages, k_steps, tile_n * tile_k + m_pad * tile_k * 2, tile_n * m_pad * 4)
+    operand_dtype = x_op.dtype
+    scaled = split == 1 and operand_dtype == _BF16
+    out_dtype = _BF16 if scaled else _F32
+    out_transforms = _tiled(m_pad, out_dtype)
+    stages = _fitting_stages(config.stages, k_steps, tile_n * tile_k + m_pad * tile_k * 2,
+                             tile_n * m_pad * jnp.dtype(out_dtype).itemsize)
 
-    def kernel(layer_gmem, w_gmem, x_gmem, out_gmem):
+    def kernel(layer_gmem, w_gmem, x_gmem, scale_gmem, out_gmem):
         stripe = lax.axis_index("n")
         part = lax.axis_index("split")
         first_stripe = layer_gmem[0] * (n // tile_n)  # the layer's first row of w_gmem, in tiles
 
         def step(_, w_smem, x_smem, acc_ref):
             w = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
-            w = plgpu.layout_cast(w.astype(operand_dtype), plgpu.Layout.WGMMA)
+            w = w.astype(_F16)  # one cvt per two e4m3 values; to bf16 through float32 (exact)
+            if operand_dtype != _F16:
+                w = w.astype(_F32).astype(operand_dtype)
+            w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
             plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem, (1, 0)))
             plgpu.wgmma_wait(0)
 
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_n, m_pad), _F32),
-                           out_smem=plgpu.SMEM((tile_n, m_pad), _F32, transforms=out_transforms))
+                           out_smem=plgpu.SMEM((tile_n, m_pad), out_dtype, transforms=out_transforms))
         def _scope(acc_ref, out_smem):
             plgpu.emit_pipeline(
                 lambda idx, w_smem, x_smem: step(idx, w_smem, x_smem, acc_ref),
@@ -162,7 +177,12 @@ def _w8a16_partials(
                 ],
                 max_concurrent_steps=stages,
             )(w_gmem, x_gmem)
-            out_smem[...] = acc_ref[...]
+            acc = acc_ref[...]
+            if scaled:
+                rows = pl.ds((first_stripe + stripe) * tile_n, tile_n)
+                channel = plgpu.load(scale_gmem.at[rows], (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                acc = (acc * lax.broadcast_in_dim(channel, acc.shape, [0])).astype(out_dtype)
+            out_smem[...] = acc
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(
                 out_smem, out_gmem.at[pl.ds(stripe * tile_n, tile_n), pl.ds(part * m_pad, m_pad)])
@@ -170,10 +190,10 @@ def _w8a16_partials(
 
     return plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((n, split * m_pad), _F32),
+        out_type=jax.ShapeDtypeStruct((n, split * m_pad), out_dtype),
         grid=(n // tile_n, split),
         grid_names=("n", "split"),
-    )(layer, _rows_of_every_layer(values), x16)
+    )(layer, _rows_of_every_layer(values), x_op, scale.reshape(-1))
 
 
 def _rows_of_every_layer(values: Float[Array, "layers n k"]) -> Float[Array, "layers_n k"]:
@@ -208,8 +228,14 @@ def w8a16_matmul(
         return jnp.concatenate(pieces, axis=0)
     m_pad = max(8, -(-m // 8) * 8)
     x_pad = jnp.pad(x, ((0, m_pad - m), (0, 0)))
+    if config.operand == "bf16":
+        partials = _w8a16_partials(x_pad.astype(_BF16), values, scale, layer, config)
+        if config.split_k == 1:  # scaled and rounded in the kernel
+            return partials.T[:m].astype(x.dtype)
+        acc_t = partials.reshape(n, config.split_k, m_pad).sum(axis=1)
+        return (acc_t.T[:m] * layer_scale[None, :]).astype(x.dtype)
     x16, row_scale = _f16_rows(x_pad)
-    partials = _w8a16_partials(x16, values, layer, config)
+    partials = _w8a16_partials(x16, values, scale, layer, config)
     acc_t = partials.reshape(n, config.split_k, m_pad).sum(axis=1)
     out = acc_t.T[:m] * row_scale[:m, None] * layer_scale[None, :]
     return out.astype(x.dtype)

@@ -146,6 +146,8 @@ def test_reference_implementation_dispatch():
 def test_configs_refuse_bad_tiles():
     with pytest.raises(ValueError, match="tile_n must be 64 or 128"):
         mosaic.W8A16Config(tile_n=32)
+    with pytest.raises(ValueError, match="operand must be 'f16' or 'bf16', got 'fp8'"):
+        mosaic.W8A16Config(operand="fp8")
     with pytest.raises(ValueError, match="tile_k must be a positive multiple of 128"):
         mosaic.W8A8Config(tile_k=64)
     with pytest.raises(ValueError, match="persistent needs warp_specialized"):
@@ -253,7 +255,8 @@ def test_w8a16_kernel_matches_reference(n, k, m):
 
 
 @pytest.mark.parametrize("config", [mosaic.W8A16Config(64, 256, 4, 1), mosaic.W8A16Config(128, 256, 3, 2),
-                                    mosaic.W8A16Config(64, 512, 3, 4), mosaic.W8A16Config(64, 128, 6, 8)])
+                                    mosaic.W8A16Config(64, 512, 3, 4), mosaic.W8A16Config(64, 128, 6, 8),
+                                    mosaic.W8A16Config(64, 256, 4, 1, "bf16"), mosaic.W8A16Config(64, 256, 4, 2, "bf16")])
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (Hopper)")
 def test_w8a16_kernel_configs(config):
