@@ -134,8 +134,7 @@ def mosaic_variants(n: int, k: int) -> list:
     c = mosaic.W8A16Config
     split = lambda rows, tile_k: _split_for(n, k, rows, tile_k)  # noqa: E731
     return [c(64, 256, 6, split(64, 256)), c(64, 512, 4, split(64, 512)), c(64, 128, 8, split(64, 128)),
-            c(64, 256, 4, 1), c(64, 512, 3, 1), c(128, 256, 4, split(128, 256)), c(64, 256, 4, 2 * split(64, 256)),
-            c(64, 256, 4, split(64, 256), "bf16"), c(64, 256, 4, 1, "bf16"), c(64, 512, 3, 1, "bf16")]
+            c(64, 256, 4, 1), c(64, 512, 3, 1), c(128, 256, 4, split(128, 256)), c(64, 256, 4, 2 * split(64, 256))]
 
 
 def sweep_implementations(n: int, k: int, m: int) -> dict:
@@ -151,7 +150,7 @@ def sweep_implementations(n: int, k: int, m: int) -> dict:
             impls[name] = (lambda x, w, s, c=c: triton.w8a16_matmul(x, w, s, c), False, "w8a16")
         impls["mosaic_default"] = (lambda x, w, s: mosaic.w8a16_matmul(x, w, s), False, "w8a16")
         for c in (c for c in mosaic_variants(n, k) if c.divides(n, k)):
-            name = f"mosaic_t{c.tile_n}_k{c.tile_k}_split{c.split_k}_s{c.stages}_{c.operand}"
+            name = f"mosaic_t{c.tile_n}_k{c.tile_k}_split{c.split_k}_s{c.stages}"
             impls[name] = (lambda x, w, s, c=c: mosaic.w8a16_matmul(x, w, s, c), False, "w8a16")
     else:
         variants = {

@@ -5,16 +5,18 @@ implementation="pallas")``: the contract, the references and the algorithm choic
 ``w8a16`` computes ``out.T = W @ x.T`` so that the weight tile is wgmma's A operand (64
 or 128 weight rows, the only side wgmma takes from registers) and the few tokens are its
 N (a multiple of 8: the wrapper pads ``m``). Each step loads an e4m3 tile ``[tile_n,
-tile_k]`` by TMA, converts it to float16 in registers (``cvt.rn.f16x2.e4m3x2``, one
-instruction per two weights; e4m3 -> bf16 has no such instruction on sm_90) and issues
-the wgmma against the activations' tile ``[m, tile_k]`` from shared memory, K-major.
-Because the weights are float16, the activations are too: each row of ``x`` is divided
-by a power of two that puts its absmax in ``[2**14, 2**15)``, which is exact for every
-bf16 value of the row above ``absmax * 2**-29`` (bf16's 8 significant bits fit in
-float16's 11), and the power of two is multiplied back onto the float32 accumulator.
-So the products are the reference's products; only the accumulation order differs.
-Split-K (``split_k`` CTAs per 64-row stripe, each a float32 partial) fills the 132 SMs
-when ``n`` is small; XLA sums the partials and applies the scales in one small fusion.
+tile_k]`` by TMA, converts it to bf16 in registers and issues the wgmma against the bf16
+activations' tile ``[m, tile_k]`` from shared memory, K-major. sm_90 has no e4m3 -> bf16
+instruction (Mosaic GPU emits one only for PTX ISA 9.2; the device's ptxas is 9.0), so the
+weights go e4m3 -> float16 (``cvt.rn.f16x2.e4m3x2``, one instruction per two) -> float32
+-> bf16, every step exact. Without split-K the kernel applies the channel scales to its
+float32 accumulator and writes bf16 ``out.T``; with split-K (``split_k`` CTAs per 64-row
+stripe, each a float32 partial, when ``n`` is too small to fill the 132 SMs) XLA sums the
+partials and applies the scales in one small fusion. (Until 2026-12-06 the activations
+were float16, divided per row by a power of two in an XLA pre-pass so that float16 held
+them exactly: on an H100 the bf16 operand with the scales in the kernel took 8B's gate|up
+at 16 tokens from 51.0 to 47.4 us, and q|k|v at 64 from 25.0 to 17.5,
+benchmarks/results/fp8_h100/mosaic_bf16/.)
 
 ``w8a8`` takes ``x`` quantized per row (:class:`fp8_gemm.QuantizedRows`, made by one of
 :mod:`fp8_rows`'s one-pass kernels, fused with the op before it where the model can), then runs an
@@ -28,9 +30,7 @@ A shape a config does not divide (``n`` by ``tile_n``; ``k`` by ``tile_k * split
 ``tile_k``) falls back to the reference (XLA): ``W8A16Config.divides`` /
 ``W8A8Config.divides`` say which. Every Llama-3.1-8B/70B projection on one GPU divides
 the default configs. ``m`` is padded (to 8 for w8a16, to the CTA tile for w8a8); w8a16
-with ``m > 256`` runs in pieces of 256 (wgmma's N limit; not a decode case). e4m3 -> bf16
-needs PTX ISA 9.2 in Mosaic GPU; the H200 image's ptxas is 9.0 (probe, call 1), hence the
-float16 operand.
+with ``m > 256`` runs in pieces of 256 (wgmma's N limit; not a decode case).
 
 Both kernels take every layer's weights, stacked, with the layer's index (``layer=``) and
 read that layer in place: XLA would copy a sliced operand out of the stack first. Measured
@@ -58,6 +58,7 @@ _F32 = jnp.float32
 _F16 = jnp.float16
 _BF16 = jnp.bfloat16
 _MAX_WGMMA_N = 256
+_SM_COUNT = 132  # H100 and H200
 
 
 def _tiled(block_minor: int, dtype) -> tuple:
@@ -92,14 +93,8 @@ class W8A16Config:
     tile_k: int = 256
     stages: int = 4
     split_k: int = 1
-    # "bf16": the weights converted to bf16 (through float16 and float32 in registers) and x
-    # taken as it is, with no pre-pass, and without split-K the channel scales applied in the
-    # kernel, which writes bf16 (an experiment: the sweep's mosaic_*_bf16 variants)
-    operand: str = "f16"
 
     def __post_init__(self):
-        if self.operand not in ("f16", "bf16"):
-            raise ValueError(f"W8A16Config.operand must be 'f16' or 'bf16', got {self.operand!r}")
         if self.tile_n not in (64, 128):
             raise ValueError(f"W8A16Config.tile_n must be 64 or 128 (wgmma M), got {self.tile_n}")
         if self.tile_k % 128 or self.tile_k <= 0:
@@ -112,38 +107,32 @@ class W8A16Config:
 
 
 def w8a16_config(n: int, k: int, m: int) -> W8A16Config:
-    """The config used for an ``[m, k] @ [n, k].T`` decode GEMM: enough CTAs for 132 SMs
-    (split-K when ``n / 64`` stripes are too few), at least 4 steps per CTA."""
-    tile_k = 256 if m <= 64 else 128  # the x tile grows with m: [m, tile_k] f16 per stage
+    """The config used for an ``[m, k] @ [n, k].T`` decode GEMM: no split-K where there are
+    half as many 64-row stripes as SMs or more (the kernel then scales and writes bf16 itself),
+    otherwise split-K to 2 CTAs per SM, at least 4 steps per CTA. Measured on an H100
+    (benchmarks/results/fp8_h100/mosaic_bf16/): q|k|v (96 stripes) took 14.2 us at 16 tokens
+    and 17.5 at 64 without split-K against 15.4 and 21.0 with 4 pieces."""
+    tile_k = 256 if m <= 64 else 128  # the x tile grows with m: [m, tile_k] bf16 per stage
     stripes = n // 64
     split = 1
-    while stripes * split < 264 and k % (tile_k * split * 2) == 0 and k // (tile_k * split * 2) >= 4:
-        split *= 2
+    if stripes < _SM_COUNT // 2:
+        while stripes * split < 2 * _SM_COUNT and k % (tile_k * split * 2) == 0 and k // (tile_k * split * 2) >= 4:
+            split *= 2
     return W8A16Config(tile_n=64, tile_k=tile_k, stages=4, split_k=split)
 
 
-def _f16_rows(x: Float[Array, "m k"]) -> tuple[Float[Array, "m k"], Float[Array, "m"]]:
-    """``x`` as float16 divided per row by a power of two (absmax into [2**14, 2**15));
-    exact for bf16 inputs down to absmax * 2**-29. Returns the rows and the powers."""
-    x32 = x.astype(_F32)
-    absmax = jnp.max(jnp.abs(x32), axis=-1)
-    _, exponent = jnp.frexp(absmax)  # absmax in [2**(e-1), 2**e); 0 -> e = 0
-    row_scale = jnp.ldexp(jnp.ones_like(absmax), exponent - 15)
-    return (x32 / row_scale[:, None]).astype(_F16), row_scale
-
-
-def _w8a16_partials(
-    x_op: Float[Array, "m_pad k"], values: Float[Array, "layers n k"], scale: Float[Array, "layers n"],
+def _w8a16_transposed(
+    x: Float[Array, "m_pad k"], values: Float[Array, "layers n k"], scale: Float[Array, "layers n"],
     layer: Int[Array, "1"], config: W8A16Config,
 ) -> Float[Array, "n split_m"]:
-    """``W @ x.T`` per piece of K: float32 ``[n, split * m_pad]``; or, with one piece and
-    bf16 operands, bf16 ``[n, m_pad]`` with the layer's channel scales applied."""
-    m_pad, k = x_op.shape
+    """``W @ x.T`` for bf16 ``x``: with one piece of K, bf16 ``[n, m_pad]`` with the
+    layer's channel scales applied; with more, float32 ``[n, split * m_pad]``, a partial
+    per piece."""
+    m_pad, k = x.shape
     n = values.shape[1]
     tile_n, tile_k, split = config.tile_n, config.tile_k, config.split_k
     k_steps = k // (tile_k * split)
-    operand_dtype = x_op.dtype
-    scaled = split == 1 and operand_dtype == _BF16
+    scaled = split == 1
     out_dtype = _BF16 if scaled else _F32
     out_transforms = _tiled(m_pad, out_dtype)
     stages = _fitting_stages(config.stages, k_steps, tile_n * tile_k + m_pad * tile_k * 2,
@@ -156,9 +145,7 @@ def _w8a16_partials(
 
         def step(_, w_smem, x_smem, acc_ref):
             w = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
-            w = w.astype(_F16)  # one cvt per two e4m3 values; to bf16 through float32 (exact)
-            if operand_dtype != _F16:
-                w = w.astype(_F32).astype(operand_dtype)
+            w = w.astype(_F16).astype(_F32).astype(_BF16)  # exact at every step
             w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
             plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem, (1, 0)))
             plgpu.wgmma_wait(0)
@@ -173,7 +160,7 @@ def _w8a16_partials(
                     plgpu.BlockSpec((tile_n, tile_k), lambda j: (first_stripe + stripe, part * k_steps + j),
                                     transforms=_tiled(tile_k, fp8_gemm.FP8)),
                     plgpu.BlockSpec((m_pad, tile_k), lambda j: (0, part * k_steps + j),
-                                    transforms=_tiled(tile_k, operand_dtype)),
+                                    transforms=_tiled(tile_k, _BF16)),
                 ],
                 max_concurrent_steps=stages,
             )(w_gmem, x_gmem)
@@ -193,7 +180,7 @@ def _w8a16_partials(
         out_type=jax.ShapeDtypeStruct((n, split * m_pad), out_dtype),
         grid=(n // tile_n, split),
         grid_names=("n", "split"),
-    )(layer, _rows_of_every_layer(values), x_op, scale.reshape(-1))
+    )(layer, _rows_of_every_layer(values), x, scale.reshape(-1))
 
 
 def _rows_of_every_layer(values: Float[Array, "layers n k"]) -> Float[Array, "layers_n k"]:
@@ -228,17 +215,11 @@ def w8a16_matmul(
         return jnp.concatenate(pieces, axis=0)
     m_pad = max(8, -(-m // 8) * 8)
     x_pad = jnp.pad(x, ((0, m_pad - m), (0, 0)))
-    if config.operand == "bf16":
-        partials = _w8a16_partials(x_pad.astype(_BF16), values, scale, layer, config)
-        if config.split_k == 1:  # scaled and rounded in the kernel
-            return partials.T[:m].astype(x.dtype)
-        acc_t = partials.reshape(n, config.split_k, m_pad).sum(axis=1)
-        return (acc_t.T[:m] * layer_scale[None, :]).astype(x.dtype)
-    x16, row_scale = _f16_rows(x_pad)
-    partials = _w8a16_partials(x16, values, scale, layer, config)
-    acc_t = partials.reshape(n, config.split_k, m_pad).sum(axis=1)
-    out = acc_t.T[:m] * row_scale[:m, None] * layer_scale[None, :]
-    return out.astype(x.dtype)
+    out_t = _w8a16_transposed(x_pad.astype(_BF16), values, scale, layer, config)
+    if config.split_k == 1:  # scaled and rounded in the kernel
+        return out_t.T[:m].astype(x.dtype)
+    acc_t = out_t.reshape(n, config.split_k, m_pad).sum(axis=1)
+    return (acc_t.T[:m] * layer_scale[None, :]).astype(x.dtype)
 
 
 # ----------------------------------------------------------------------------- w8a8
