@@ -35,8 +35,8 @@ with ``m > 256`` runs in pieces of 256 (wgmma's N limit; not a decode case).
 Both kernels take every layer's weights, stacked, with the layer's index (``layer=``) and
 read that layer in place: XLA would copy a sliced operand out of the stack first. Measured
 on the H200 (benchmarks/README.md, "FP8 weights and the FP8 KV cache"): w8a8 runs a 4,096-token
-prefill step at 0.76x bf16's; w8a16 decodes 1 sequence at 1.01x and 64 at 1.19x bf16's step
-(the Triton w8a16 kernel is faster at 16 rows). The GEMM-level numbers and the sweep of
+prefill step at 0.76x bf16's; w8a16, with float16 operands then, decoded 1 sequence at 1.01x
+and 64 at 1.19x bf16's step (the Triton w8a16 kernel is faster at 16 rows). The GEMM-level numbers and the sweep of
 configs are in benchmarks/results/fp8_h200/gemm/ and sweep/.
 """
 

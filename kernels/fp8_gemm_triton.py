@@ -5,10 +5,9 @@ A program owns ``block_n`` output channels (weight rows) and one of ``split_k`` 
 the contraction. Each step loads an e4m3 tile ``[block_n, block_k]`` and the activations'
 bf16 tile ``[m, block_k]``, converts the weights to bf16 in registers (exact: every e4m3
 value is a bf16 value) and accumulates ``x @ w.T`` in float32; Triton's software pipeline
-keeps ``num_stages`` tiles in flight. There is no activation pre-pass (the Mosaic kernel
-needs float16 operands, so it rescales ``x`` in XLA first) and, without split-K, no
-post-pass: the program applies the channel scales and writes bf16. With split-K each piece
-writes a float32 partial and XLA sums them and applies the scales in one fusion.
+keeps ``num_stages`` tiles in flight. Without split-K there is no post-pass: the program
+applies the channel scales and writes bf16. With split-K each piece writes a float32
+partial and XLA sums them and applies the scales in one fusion.
 
 The tokens are the dot's M, padded to a power of two of at least 16 (``tl.dot``'s minimum;
 Triton's blocks are powers of two); a decode step has 16 to 64. A shape whose ``n`` or ``k``
