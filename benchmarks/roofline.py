@@ -262,7 +262,7 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, marks in KERNEL_KINDS if any(m in lowered for m in marks)), "other (XLA fusions)")
 
 
-def kernel_breakdown(events, steps: int, top: int = 20) -> dict:
+def kernel_breakdown(events, steps: int, top: int = 40) -> dict:
     """Per step: kernel time and count by kind (``KERNEL_KINDS``) and the ``top`` kernels by
     time, from (start, end, duration ns, name) records of ``steps`` steps."""
     kinds, names = {}, {}
