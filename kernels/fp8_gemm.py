@@ -27,25 +27,18 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from . import triton_offsets
+
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 ALGORITHMS = ("w8a16", "w8a8")
 _IMPLEMENTATIONS = ("reference", "pallas")
 
 
-# Pallas's Triton lowering computes the element offsets of a ref of at most 4 GiB in 32 bits,
-# read as signed: past this many elements its loads read the wrong memory (on the H200, the
-# last layer of Llama-3.1-8B's 32-layer gate|up stack gave products 100x off:
-# benchmarks/results/fp8_h200/stack_past_2_gib/). A ref of more bytes than
-# TRITON_WIDE_OFFSET_BYTES gets 64-bit offsets.
-TRITON_MAX_ELEMENTS = 2**31 - 1
-TRITON_WIDE_OFFSET_BYTES = 2**32
-
-
-def triton_reaches(elements: int, itemsize: int = 1) -> bool:
-    """Whether a Pallas Triton kernel can address every element of an operand of this many
-    ``itemsize``-byte elements (e4m3 by default)."""
-    return elements <= TRITON_MAX_ELEMENTS or elements * itemsize > TRITON_WIDE_OFFSET_BYTES
+def triton_reaches(elements: int) -> bool:
+    """Whether the Triton kernels can address every element of an e4m3 operand this large
+    (:mod:`triton_offsets`: not between 2 and 4 GiB)."""
+    return triton_offsets.reaches(elements, 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -186,8 +186,8 @@ def _w8a16_transposed(
 def _rows_of_every_layer(values: Float[Array, "layers n k"]) -> Float[Array, "layers_n k"]:
     """The stack as one ``[layers * n, k]`` matrix (a bitcast, not a copy): the kernels
     address their layer by TMA row coordinate, and the TMA unit computes the byte offset,
-    which for a 70B stack is far past 32 bits (the Triton kernel's offsets are int32:
-    ``fp8_gemm.TRITON_MAX_ELEMENTS``)."""
+    which for a 70B stack is far past 32 bits (the Triton kernels' offsets are 32-bit up to 4 GiB:
+    ``triton_offsets``)."""
     return values.reshape(-1, values.shape[-1])
 
 

@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
-from . import fp8_gemm
+from . import fp8_gemm, triton_offsets
 
 IMPLEMENTATIONS = ("reference", "pallas")
 
@@ -163,10 +163,10 @@ def _rows_call(kernel, x, width: int, chunk: int, weights: tuple, config: RowsCo
 def _kernel_chunk(implementation: str, x, width: int, config: RowsConfig) -> int | None:
     """The chunk the kernel loads ``x``'s rows of ``width`` in, or None where the reference
     runs: asked for, too many chunks, or more elements than Triton's 32-bit offsets reach
-    (``fp8_gemm.TRITON_MAX_ELEMENTS``)."""
+    (``triton_offsets.MAX_32_BIT_ELEMENTS``)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
-    if implementation == "reference" or x.size > fp8_gemm.TRITON_MAX_ELEMENTS:
+    if implementation == "reference" or x.size > triton_offsets.MAX_32_BIT_ELEMENTS:
         return None
     return config.chunk(width)
 

@@ -52,8 +52,10 @@ work bounds it (the e4m3 conversion, presumably; not profiled). The FP8 cache bu
 capacity (twice the tokens per GiB), not decode speed, until a kernel converts cheaper.
 
 Caches of more than 2**31 elements per array are read correctly at their far end (checked
-on the H200 with a 2.2e9-element bf16 cache: tests/test_kernels_gpu.py
-::test_cache_larger_than_int32_offsets), so offsets do not overflow 32 bits.
+on the H200 with a 2.2e9-element bf16 cache, 4.4 GiB: tests/test_kernels_gpu.py
+::test_cache_larger_than_int32_offsets): past 4 GiB Pallas's Triton lowering uses 64-bit
+offsets. An FP8 array of 2 to 4 GiB gets 32-bit ones that cannot reach its upper half
+(``triton_offsets``); the engine never makes one (``CacheGeometry.triton_unreachable_pages``).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
+from shiftjax.kernels import triton_offsets
 from shiftjax.layouts.specs import CACHE_SPEC
 from shiftjax.pytrees import unchecked_init
 
@@ -93,6 +94,14 @@ class CacheGeometry:
         the slots (the slot axis is split over all devices). An FP8 cache's is half of bf16's."""
         local_slots = -(-self.kv_slots // num_devices)
         return 2 * self.num_layers * local_slots * self.page_size * self.head_dim * jnp.dtype(self.dtype).itemsize
+
+    def triton_unreachable_pages(self, num_devices: int) -> range:
+        """The page counts whose K (or V) array on a device the GPU's Pallas Triton kernels
+        (attention, the cache write) cannot address whole (``triton_offsets``): for an FP8
+        cache, those that make it 2 to 4 GiB a device; none for bf16."""
+        local_slots = -(-self.kv_slots // num_devices)
+        elements_per_page = self.num_layers * local_slots * self.page_size * self.head_dim
+        return triton_offsets.unreachable_counts(elements_per_page, jnp.dtype(self.dtype).itemsize)
 
     def abstract(self, mesh: Mesh, num_pages: int = 2) -> KVCache:
         """The cache as ``ShapeDtypeStruct`` s with its sharding (by default two pages: enough

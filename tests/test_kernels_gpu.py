@@ -19,6 +19,7 @@ from shiftjax.kernels import ragged_paged_attention, ragged_paged_attention_refe
 from shiftjax.kernels import reference as _reference
 from shiftjax.kernels.cache_write import write_qkv_to_cache
 from shiftjax.kernels.pallas_gpu import PallasAttentionConfig, ragged_paged_attention_pallas
+from shiftjax.kernels import triton_offsets
 from shiftjax.kernels.testing import random_case
 
 pytestmark = [
@@ -118,16 +119,24 @@ def test_layer_scan_on_gpu():
         "the layer scan copies or slices the cache"
 
 
-def test_cache_larger_than_int32_offsets():
-    """A stacked cache of more than 2**31 elements per array, read at its far end.
+_PAGE_ELEMENTS = 4 * 8 * 16 * 128  # layers x KV slots x page size x head_dim
 
-    Element offsets past 2**31 overflow if the kernel's pointer arithmetic is 32-bit;
-    the reference (XLA gathers) is the oracle.
+
+@pytest.mark.parametrize("dtype,num_pages", [
+    ("bfloat16", 2**31 // _PAGE_ELEMENTS + 1024),       # past 2**31 elements and 4 GiB: 64-bit offsets
+    ("float8_e4m3fn", 2**31 // _PAGE_ELEMENTS - 1),     # the last count below the gap (triton_offsets)
+    ("float8_e4m3fn", 2**32 // _PAGE_ELEMENTS + 1024),  # past the gap: 64-bit offsets
+])
+def test_cache_larger_than_int32_offsets(dtype, num_pages):
+    """A stacked cache of about 2**31 elements per array or more, read at its far end.
+
+    Element offsets past 2**31 overflow if the kernel's pointer arithmetic is 32-bit; an
+    FP8 array of 2 to 4 GiB would (``CacheGeometry.triton_unreachable_pages``: the engine
+    makes none). The reference (XLA gathers) is the oracle.
     """
     layers, kv_slots, page_size, head_dim = 4, 8, 16, 128
-    num_pages = 2**31 // (layers * kv_slots * page_size * head_dim) + 1024
     shape = (layers, kv_slots, num_pages, page_size, head_dim)
-    assert np.prod(shape) > 2**31
+    assert triton_offsets.reaches(int(np.prod(shape)), jnp.dtype(dtype).itemsize)
     rng = np.random.default_rng(0)
     q_lens, seq_lens = [1, 40, 1], [97, 120, 33]
     pages_needed = [-(-s // page_size) for s in seq_lens]
@@ -142,12 +151,12 @@ def test_cache_larger_than_int32_offsets():
     @jax.jit
     def make_caches(key):
         k_key, v_key = jax.random.split(key)
-        k = jnp.zeros(shape, jnp.bfloat16)
-        v = jnp.zeros(shape, jnp.bfloat16)
+        k = jnp.zeros(shape, dtype)
+        v = jnp.zeros(shape, dtype)
         rows = jnp.asarray(top[:used])
         fill = (kv_slots, used, page_size, head_dim)
-        k = k.at[layer, :, rows].set(jax.random.normal(k_key, fill, jnp.bfloat16).transpose(1, 0, 2, 3))
-        v = v.at[layer, :, rows].set(jax.random.normal(v_key, fill, jnp.bfloat16).transpose(1, 0, 2, 3))
+        k = k.at[layer, :, rows].set(jax.random.normal(k_key, fill, jnp.bfloat16).transpose(1, 0, 2, 3).astype(dtype))
+        v = v.at[layer, :, rows].set(jax.random.normal(v_key, fill, jnp.bfloat16).transpose(1, 0, 2, 3).astype(dtype))
         return k, v
 
     k_cache, v_cache = make_caches(jax.random.key(1))

@@ -96,6 +96,8 @@ def build(weights: ModelWeights, config: EngineConfig, report: Report,
             num_pages=config.num_pages, kv_memory_fraction=config.kv_memory_fraction,
             fallback_pages=config.pages(), mesh_devices=mesh.devices,
             page_bytes=geometry.page_bytes_per_device(mesh.size),
+            unreachable=(geometry.triton_unreachable_pages(mesh.size)
+                         if any(d.platform == "gpu" for d in mesh.devices.flat) else range(0)),
             temporary_bytes=lambda: compiling.temporary_bytes(weights, geometry.abstract(mesh), ladder, modes,
                                                               options, store=store, workers=config.compile_workers))
         report(page_pool.explanation)

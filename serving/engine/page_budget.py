@@ -57,7 +57,7 @@ def device_memory(devices, driver_memory=cuda_free_and_total) -> tuple[int, int]
 
 
 def size_pool(*, num_pages: int | None, kv_memory_fraction: float | None, fallback_pages: int,
-              page_bytes: int, mesh_devices, temporary_bytes=None) -> PagePool:
+              page_bytes: int, mesh_devices, temporary_bytes=None, unreachable: range = range(0)) -> PagePool:
     """``num_pages`` when given; else ``kv_memory_fraction`` (default 0.9) of the device
     memory left after the weights already placed and the executables' temporaries
     (``temporary_bytes()``, called only when needed: it compiles the largest steps, or reads
@@ -70,8 +70,18 @@ def size_pool(*, num_pages: int | None, kv_memory_fraction: float | None, fallba
     the driver says is taken. On a 2-GPU mesh with Llama-3.1-8B's shape unrolled, the default ran
     out of memory allocating the cache (benchmarks/results/x2_run1/engine.log): the
     temporaries estimate can fall short there; give ``--kv-memory-fraction`` or
-    ``--num-pages`` until it is measured."""
+    ``--num-pages`` until it is measured.
+
+    ``unreachable``: page counts the GPU kernels cannot address (an FP8 cache of 2 to 4 GiB
+    a device, ``CacheGeometry.triton_unreachable_pages``). A pool sized from memory into
+    that range is cut to the last count below it; a pool given there is refused."""
     if num_pages is not None:
+        if num_pages in unreachable:
+            raise ValueError(
+                f"--num-pages {num_pages} makes each K and V cache array 2 to 4 GiB a device, and the GPU's "
+                f"Pallas Triton kernels address such an array (of 1-byte FP8 elements) with 32-bit signed "
+                f"offsets that cannot reach its upper half: give at most {unreachable.start - 1} or at least "
+                f"{unreachable.stop} pages")
         return PagePool(num_pages, "num_pages", f"KV cache: {num_pages} pages (--num-pages)")
     devices = list(np.asarray(mesh_devices).flat)
     memory = device_memory(devices)
@@ -90,8 +100,13 @@ def size_pool(*, num_pages: int | None, kv_memory_fraction: float | None, fallba
             f"no room for a KV cache: {limit / 2**30:.2f} GiB per device, {in_use / 2**30:.2f} GiB in use "
             f"(weights), {temporaries / 2**30:.2f} GiB of step temporaries; use a smaller model or "
             f"batch, or give --num-pages")
+    cut = ""
+    if pages in unreachable:
+        cut = (f"; cut from {pages} pages, which would make each K and V array 2 to 4 GiB a device, "
+               f"past what the GPU kernels' 32-bit offsets reach")
+        pages = unreachable.start - 1
     note = (f"KV cache: {pages} pages of {page_bytes / 2**20:.2f} MiB per device = "
             f"{pages * page_bytes / 2**30:.2f} GiB, {fraction:.0%} of the {left / 2**30:.2f} GiB left of "
             f"{limit / 2**30:.2f} GiB after what is in use (weights; under --gpu-allocator vmm all the "
-            f"driver reports, {in_use / 2**30:.2f} GiB) and step temporaries ({temporaries / 2**30:.2f} GiB)")
+            f"driver reports, {in_use / 2**30:.2f} GiB) and step temporaries ({temporaries / 2**30:.2f} GiB){cut}")
     return PagePool(pages, "memory", note)
