@@ -32,13 +32,8 @@ from . import triton_offsets
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 ALGORITHMS = ("w8a16", "w8a8")
+SM_COUNT = 132  # H100 and H200: the SMs the kernels' tile and split-K choices are tuned to fill
 _IMPLEMENTATIONS = ("reference", "pallas")
-
-
-def triton_reaches(elements: int) -> bool:
-    """Whether the Triton kernels can address every element of an e4m3 operand this large
-    (:mod:`triton_offsets`: not between 2 and 4 GiB)."""
-    return triton_offsets.reaches(elements, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +70,9 @@ class Fp8GemmChoice:
         """The GPU kernel of ``algorithm`` for a GEMM of ``rows`` rows whose e4m3 weight
         operand (every layer's, where the kernel reads a layer of the stack) has
         ``weight_elements`` elements: ``triton``, ``mosaic`` or ``cublas``. A weight the
-        Triton kernel cannot address (:func:`triton_reaches`) goes to the Mosaic kernel."""
+        Triton kernel cannot address (:func:`triton_offsets.reaches`) goes to the Mosaic kernel."""
         if algorithm == "w8a16":
-            return "triton" if rows <= self.triton_max_rows and triton_reaches(weight_elements) else "mosaic"
+            return "triton" if rows <= self.triton_max_rows and triton_offsets.reaches(weight_elements, 1) else "mosaic"
         return "cublas" if rows <= self.cublas_max_rows else "mosaic"
 
 

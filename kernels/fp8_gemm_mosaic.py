@@ -58,7 +58,6 @@ _F32 = jnp.float32
 _F16 = jnp.float16
 _BF16 = jnp.bfloat16
 _MAX_WGMMA_N = 256
-_SM_COUNT = 132  # H100 and H200
 
 
 def _tiled(block_minor: int, dtype) -> tuple:
@@ -115,8 +114,8 @@ def w8a16_config(n: int, k: int, m: int) -> W8A16Config:
     tile_k = 256 if m <= 64 else 128  # the x tile grows with m: [m, tile_k] bf16 per stage
     stripes = n // 64
     split = 1
-    if stripes < _SM_COUNT // 2:
-        while stripes * split < 2 * _SM_COUNT and k % (tile_k * split * 2) == 0 and k // (tile_k * split * 2) >= 4:
+    if stripes < fp8_gemm.SM_COUNT // 2:
+        while stripes * split < 2 * fp8_gemm.SM_COUNT and k % (tile_k * split * 2) == 0 and k // (tile_k * split * 2) >= 4:
             split *= 2
     return W8A16Config(tile_n=64, tile_k=tile_k, stages=4, split_k=split)
 
@@ -428,8 +427,8 @@ def _w8a8_gemm_persistent(
 
 
 def _sm_count() -> int:
-    """The default device's SM count (132 on an H200)."""
-    return getattr(jax.devices()[0], "core_count", None) or 132
+    """The default device's SM count (``fp8_gemm.SM_COUNT`` where it does not say)."""
+    return getattr(jax.devices()[0], "core_count", None) or fp8_gemm.SM_COUNT
 
 
 def _w8a8_gemm_one_warpgroup(

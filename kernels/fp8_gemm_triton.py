@@ -37,10 +37,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
-from . import fp8_gemm
+from . import fp8_gemm, triton_offsets
 
 _MIN_DOT_M = 16
-_SM_COUNT = 132  # H100 and H200
 _SMEM_BYTES = 227 * 1024 - 16 * 1024  # per program on the H200, less room for Triton's own buffers
 
 
@@ -76,7 +75,7 @@ def triton_w8a16_config(n: int, k: int, m: int) -> TritonW8A16Config:
     del m
     block_n, block_k = 32, 256
     split = 1
-    while ((n // block_n) * split < 3 * _SM_COUNT // 2 and k % (block_k * split * 2) == 0
+    while ((n // block_n) * split < 3 * fp8_gemm.SM_COUNT // 2 and k % (block_k * split * 2) == 0
            and k // (block_k * split * 2) >= 4):
         split *= 2
     return TritonW8A16Config(block_n=block_n, block_k=block_k, split_k=split)
@@ -116,7 +115,7 @@ def w8a16_matmul(
     layer ``layer`` where it lies. A slice taken in XLA instead would be copied out of the
     stack on every call (a custom call's operand is a buffer of its own): on the H200 that
     copy made the FP8 decode step slower than bf16's."""
-    if not fp8_gemm.triton_reaches(values.size):
+    if not triton_offsets.reaches(values.size, values.dtype.itemsize):
         raise ValueError(f"the Triton w8a16 kernel cannot address a weight of {values.size} elements (shape "
                          f"{values.shape}): Pallas gives a 2-4 GiB operand 32-bit offsets; use the Mosaic GPU kernel")
     values, scale, layer = fp8_gemm.stacked_layers(values, scale, layer)
