@@ -53,3 +53,14 @@ def test_a_pool_sized_into_the_gap_is_cut_below_it():
     assert pool.num_pages == 4095 and "cut from 6144 pages" in pool.explanation
     pool = size_pool(mesh_devices=[_Device(24 * 2**30, 4 * 2**30)], **common)  # 10 GiB: past the gap
     assert pool.num_pages == 10240 and "cut" not in pool.explanation
+
+
+def test_a_fallback_pool_in_the_gap_is_cut_as_well():
+    """A GPU that reports no memory (another process's) takes the fallback count, which the
+    kernels' reach bounds as it bounds a pool sized from memory."""
+    silent = _Device(0, 0)
+    silent._stats, silent.local_hardware_id = None, None
+    geometry = CacheGeometry(**LLAMA_8B, dtype="float8_e4m3fn")
+    pool = size_pool(num_pages=None, kv_memory_fraction=None, fallback_pages=5000, page_bytes=2**20,
+                     mesh_devices=[silent], unreachable=geometry.triton_unreachable_pages(1))
+    assert pool.sized_by == "fallback" and pool.num_pages == 4095 and "cut from 5000 pages" in pool.explanation

@@ -73,15 +73,28 @@ def size_pool(*, num_pages: int | None, kv_memory_fraction: float | None, fallba
     ``--num-pages`` until it is measured.
 
     ``unreachable``: page counts the GPU kernels cannot address (an FP8 cache of 2 to 4 GiB
-    a device, ``CacheGeometry.triton_unreachable_pages``). A pool sized from memory into
-    that range is cut to the last count below it; a pool given there is refused."""
+    a device, ``CacheGeometry.triton_unreachable_pages``). A pool sized into that range
+    (from memory or the fallback) is cut to the last count below it; a pool given there is
+    refused."""
+    pool = _sized_pool(num_pages=num_pages, kv_memory_fraction=kv_memory_fraction, fallback_pages=fallback_pages,
+                       page_bytes=page_bytes, mesh_devices=mesh_devices, temporary_bytes=temporary_bytes)
+    if pool.num_pages not in unreachable:
+        return pool
+    if pool.sized_by == "num_pages":
+        raise ValueError(
+            f"--num-pages {num_pages} makes each K and V cache array 2 to 4 GiB a device, and the GPU's "
+            f"Pallas Triton kernels address such an array (of 1-byte FP8 elements) with 32-bit signed "
+            f"offsets that cannot reach its upper half: give at most {unreachable.start - 1} or at least "
+            f"{unreachable.stop} pages")
+    pages = unreachable.start - 1
+    return dataclasses.replace(pool, num_pages=pages, explanation=(
+        f"{pool.explanation}; cut from {pool.num_pages} pages to {pages}: {pool.num_pages} would make each K and "
+        f"V array 2 to 4 GiB a device, past what the GPU kernels' 32-bit offsets reach"))
+
+
+def _sized_pool(*, num_pages, kv_memory_fraction, fallback_pages, page_bytes, mesh_devices, temporary_bytes) -> PagePool:
+    """:func:`size_pool`'s choice before the kernels' reach is taken into account."""
     if num_pages is not None:
-        if num_pages in unreachable:
-            raise ValueError(
-                f"--num-pages {num_pages} makes each K and V cache array 2 to 4 GiB a device, and the GPU's "
-                f"Pallas Triton kernels address such an array (of 1-byte FP8 elements) with 32-bit signed "
-                f"offsets that cannot reach its upper half: give at most {unreachable.start - 1} or at least "
-                f"{unreachable.stop} pages")
         return PagePool(num_pages, "num_pages", f"KV cache: {num_pages} pages (--num-pages)")
     devices = list(np.asarray(mesh_devices).flat)
     memory = device_memory(devices)
@@ -100,13 +113,8 @@ def size_pool(*, num_pages: int | None, kv_memory_fraction: float | None, fallba
             f"no room for a KV cache: {limit / 2**30:.2f} GiB per device, {in_use / 2**30:.2f} GiB in use "
             f"(weights), {temporaries / 2**30:.2f} GiB of step temporaries; use a smaller model or "
             f"batch, or give --num-pages")
-    cut = ""
-    if pages in unreachable:
-        cut = (f"; cut from {pages} pages, which would make each K and V array 2 to 4 GiB a device, "
-               f"past what the GPU kernels' 32-bit offsets reach")
-        pages = unreachable.start - 1
     note = (f"KV cache: {pages} pages of {page_bytes / 2**20:.2f} MiB per device = "
             f"{pages * page_bytes / 2**30:.2f} GiB, {fraction:.0%} of the {left / 2**30:.2f} GiB left of "
             f"{limit / 2**30:.2f} GiB after what is in use (weights; under --gpu-allocator vmm all the "
-            f"driver reports, {in_use / 2**30:.2f} GiB) and step temporaries ({temporaries / 2**30:.2f} GiB){cut}")
+            f"driver reports, {in_use / 2**30:.2f} GiB) and step temporaries ({temporaries / 2**30:.2f} GiB)")
     return PagePool(pages, "memory", note)
