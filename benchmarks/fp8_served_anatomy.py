@@ -76,12 +76,12 @@ def host_spans(calls: list, begin: float, end: float) -> dict:
             "after_launch_ms": round(1e3 * (end - inside[-1][2]), 3)}
 
 
-def device_summary(fn, calls: int, runs: collections.Counter) -> dict:
+def device_summary(fn, calls: int, runs: collections.Counter, top: int = 40) -> dict:
     """``calls`` calls of ``fn()`` under the profiler: the executables they ran, and per
     device ``roofline.device_idle``'s window, idle fraction and kernel time by kind and by
     kernel (per call)."""
     before = collections.Counter(runs)
-    devices = device_idle(fn, calls)
+    devices = device_idle(fn, calls, top=top)
     return {"executables": {"/".join(map(str, key)): count for key, count in (runs - before).items()},
             "devices": devices}
 
@@ -93,6 +93,7 @@ def main():
     parser.add_argument("--decode-steps", type=int, default=40)
     parser.add_argument("--profiled", type=int, default=8)
     parser.add_argument("--engine-args", default="", help="more serve arguments, space-separated (e.g. --num-pages 4000)")
+    parser.add_argument("--top", type=int, default=40, help="how many kernels, the longest first, to list")
     parser.add_argument("--label", default="", help="added to the result file's name")
     parser.add_argument("--smoke", action="store_true", help="the CPU: the default model, tiny prompts")
     parser.add_argument("--out", type=Path, required=True)
@@ -128,7 +129,7 @@ def main():
         spans.append(host_spans(calls, begin, end))
     result["ttft"] = {"prompt_tokens": prompt_len, "wall_ms": [round(1e3 * s, 3) for s in seconds],
                       "wall_ms_median": round(1e3 * statistics.median(seconds), 3), "host_spans": spans,
-                      **device_summary(lambda: llm.generate([prompts[-1]], one_token), 1, runs)}
+                      **device_summary(lambda: llm.generate([prompts[-1]], one_token), 1, runs, args.top)}
     print("ttft", json.dumps({k: v for k, v in result["ttft"].items() if k != "devices"}), flush=True)
 
     # decode: one sequence, engine steps one at a time
@@ -145,7 +146,7 @@ def main():
         steps.append(end - begin)
         spans.append(host_spans(calls, begin, end))
     steady = steps[2:]
-    decode = device_summary(engine.step, args.profiled, runs)
+    decode = device_summary(engine.step, args.profiled, runs, args.top)
     result["decode"] = {"prompt_tokens": decode_prompt, "step_wall_ms_median": round(1e3 * statistics.median(steady), 3),
                         "host_spans_median": {k: round(statistics.median(s[k] for s in spans[2:] if s), 3)
                                               for k in spans[-1]},

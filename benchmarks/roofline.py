@@ -220,21 +220,22 @@ def profile(fn, iters: int, *, quiet: bool = False, warmup: int = 0):
         return None
 
 
-def device_idle(fn, iters: int, gaps: int = 5, *, events: bool = False) -> dict | None:
+def device_idle(fn, iters: int, gaps: int = 5, *, events: bool = False, top: int = 40) -> dict | None:
     """How much of the time each device sits idle while ``fn()`` is called ``iters`` times
     back to back (``fn`` syncs as it must: an engine step). Per device: the window from the
     first kernel's start to the last one's end, the time no kernel runs in it, as a
-    fraction, and the ``gaps`` longest idle gaps. With ``events``, also the kernel records
-    themselves, stats included (``_device_events``). None without a device trace."""
+    fraction, the ``gaps`` longest idle gaps and the ``top`` kernels by time. With ``events``,
+    also the kernel records themselves, stats included (``_device_events``). None without a
+    device trace."""
     pd = profile(fn, iters)
     if pd is None:
         return None
     planes = _device_events(pd, stats=events)
-    return {plane: {**_plane_idle(records, iters, gaps), **({"events": records} if events else {})}
+    return {plane: {**_plane_idle(records, iters, gaps, top), **({"events": records} if events else {})}
             for plane, records in planes.items() if records} or None
 
 
-def _plane_idle(events: list[tuple], iters: int, gaps: int = 5) -> dict:
+def _plane_idle(events: list[tuple], iters: int, gaps: int = 5, top: int = 40) -> dict:
     """``device_idle``'s figures for one device's kernel records (sorted here)."""
     events.sort(key=lambda e: e[:2])
     busy, idle_gaps, end = 0, [], events[0][0]
@@ -246,7 +247,7 @@ def _plane_idle(events: list[tuple], iters: int, gaps: int = 5) -> dict:
     window = end - events[0][0]
     return {"window_ms": window * 1e-6, "idle_fraction": 1 - busy / window,
             "kernels": len(events), "longest_gaps_us": [g * 1e-3 for g in sorted(idle_gaps)[-gaps:][::-1]],
-            **kernel_breakdown(events, iters)}
+            **kernel_breakdown(events, iters, top)}
 
 
 # first match wins: XLA's own all-reduce kernels are fusions named after the psum, shiftjax's

@@ -1,0 +1,66 @@
+"""What a kernel named in a profile computes: its fusion instruction and fused computation,
+read off the optimized HLO that ``XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text`` dumps.
+
+A GPU profile names an XLA kernel after its fusion instruction with ``.`` written as ``_``
+(``loop_convert_fusion_32`` is ``%loop_convert_fusion.32``). For every dumped module after
+optimizations that has one of ``--kernels``, this prints the instruction (its shape and
+operands) and the computation it calls, each cut to ``--lines`` lines.
+
+    python3 benchmarks/hlo_fusions.py DIR --kernels loop_convert_fusion_32,wrapped_transpose
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+
+
+def instruction_pattern(kernel: str) -> re.Pattern:
+    """The HLO instruction a profiled kernel name stands for (``_`` may be ``.`` or ``_``)."""
+    name = "[._]".join(re.escape(part) for part in kernel.split("_"))
+    return re.compile(rf"^\s*(?:ROOT )?%?({name}) = .*$", re.M)
+
+
+def computation(text: str, name: str, lines: int) -> str:
+    """The body of computation ``name`` in ``text``, cut to ``lines`` lines."""
+    match = re.search(rf"^%?{re.escape(name)} \(.*\{{$", text, re.M)
+    if match is None:
+        return f"(computation {name} not found)"
+    body = text[match.start():text.find("\n}", match.end()) + 2].splitlines()
+    return "\n".join(body[:lines] + ([f"... {len(body) - lines} more lines"] if len(body) > lines else []))
+
+
+def describe(text: str, kernels: list[str], lines: int) -> list[str]:
+    """The instruction and called computation of each of ``kernels`` found in ``text``."""
+    found = []
+    for kernel in kernels:
+        match = instruction_pattern(kernel).search(text)
+        if match is None:
+            continue
+        line = match.group(0).strip()
+        called = _CALLS.search(line)
+        found.append(f"## {kernel}\n{line[:2000]}\n" + (computation(text, called.group(1), lines) if called else ""))
+    return found
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("dump", type=Path, help="the --xla_dump_to folder")
+    parser.add_argument("--kernels", required=True, help="profiled kernel names, comma-separated")
+    parser.add_argument("--module", default="", help="only modules whose file name contains this")
+    parser.add_argument("--lines", type=int, default=40)
+    args = parser.parse_args()
+    kernels = [k for k in args.kernels.split(",") if k]
+    for path in sorted(args.dump.glob("*after_optimizations.txt")):
+        if args.module not in path.name:
+            continue
+        found = describe(path.read_text(), kernels, args.lines)
+        if found:
+            print(f"# {path.name}\n" + "\n".join(found) + "\n")
+
+
+if __name__ == "__main__":
+    main()
