@@ -7,11 +7,13 @@ optimizations that has one of ``--kernels``, this prints the instruction (its sh
 operands) and the computation it calls, each cut to ``--lines`` lines.
 
     python3 benchmarks/hlo_fusions.py DIR --kernels loop_convert_fusion_32,wrapped_transpose
+    python3 benchmarks/hlo_fusions.py DIR --anatomy anatomy_fp8.json --top 60   # its decode step's top kernels
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from pathlib import Path
 
@@ -46,14 +48,26 @@ def describe(text: str, kernels: list[str], lines: int) -> list[str]:
     return found
 
 
+def anatomy_kernels(path: Path, part: str, top: int) -> list[str]:
+    """The ``top`` kernels by time of ``part`` (``decode`` or ``ttft``) of an anatomy
+    file (``fp8_served_anatomy.py``), every device's."""
+    devices = json.loads(path.read_text())[part]["devices"]
+    return [name for device in devices.values() for name in list(device["top_kernels"])[:top]]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("dump", type=Path, help="the --xla_dump_to folder")
-    parser.add_argument("--kernels", required=True, help="profiled kernel names, comma-separated")
+    parser.add_argument("--kernels", default="", help="profiled kernel names, comma-separated")
+    parser.add_argument("--anatomy", type=Path, help="and the top kernels of this fp8_served_anatomy.py result")
+    parser.add_argument("--part", default="decode", choices=("decode", "ttft"))
+    parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--module", default="", help="only modules whose file name contains this")
     parser.add_argument("--lines", type=int, default=40)
     args = parser.parse_args()
     kernels = [k for k in args.kernels.split(",") if k]
+    if args.anatomy:
+        kernels += anatomy_kernels(args.anatomy, args.part, args.top)
     for path in sorted(args.dump.glob("*after_optimizations.txt")):
         if args.module not in path.name:
             continue
