@@ -21,8 +21,9 @@ so K/V bytes are read once per slot, not once per head.
 
 - Decode (sequences with exactly one new token), grid ``(seqs, kv_slots, splits)``: each
   program runs online softmax over its share of the context and writes an unnormalised
-  partial (``o``, running max ``m``, sum ``l``); a small XLA combine merges the splits
-  (flash-decoding). Splits are chosen so that the grid fills the GPU when the batch is small.
+  partial (``o``, running max ``m``, sum ``l``); a third kernel, grid ``(seqs, kv_slots,
+  head_dim slices)``, merges the splits each sequence's context reached (flash-decoding).
+  Splits are chosen so that the grid fills the GPU when the batch is small.
 - Prefill (sequences with more than one new token), grid ``(tiles, kv_slots)``: a tile is
   up to ``block_q`` consecutive query tokens of one sequence; flash attention over the
   sequence's pages, causal mask only on the blocks that cross the diagonal; rows are
@@ -40,7 +41,7 @@ convert them in registers to the compute dtype, q's (exact: every e4m3 value is 
 value), so the dots are the bf16 cache's dots over the dequantised values. ``k_scale`` is
 folded into the softmax scale (one scalar product on the host, applied to q as
 ``sm_scale`` already is) and ``v_scale`` into the normalised output (one multiply per
-output element, in the decode combine and in the prefill kernel's epilogue), so no per-key
+output element, in the merge of the decode splits and in the prefill kernel's epilogue), so no per-key
 work is added. Against a bf16 cache holding ``e4m3 * scale`` this moves one rounding
 (of q times the scales instead of the cache times its scale); with power-of-two scales
 the two agree exactly. Other caches ignore the scales. Measured on the H200 (Llama-3.1-8B
@@ -63,7 +64,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import operator
 from collections.abc import Sequence
 
 import jax
@@ -251,6 +251,57 @@ def _decode_kernel(
         l_ref[...] = l
 
 
+# The merge's tile: up to this many float32 partial elements a program holds at once.
+_MERGE_TILE_ELEMENTS = 8192
+
+
+def _merge_tiles(splits: int, group: int, head_dim: int) -> tuple[int, int]:
+    """(splits per step, head_dim columns per program) of the merge: every split in one step
+    where the tile allows, a narrower slice of head_dim before fewer splits a step."""
+    splits_pow2 = _next_power_of_two(splits)
+    block_d = head_dim
+    while splits_pow2 * group * block_d > _MERGE_TILE_ELEMENTS and block_d > 16:
+        block_d //= 2
+    return max(1, min(splits_pow2, _MERGE_TILE_ELEMENTS // (group * block_d))), block_d
+
+
+def _merge_kernel(
+    query_start_ref, seq_lens_ref, o_ref, m_ref, l_ref, out_ref, *, group, chunk, block_d, block_k,
+    blocks_per_split, out_scale,
+):
+    """One (sequence, slot, head_dim slice): the decode kernel's partials of the splits its
+    context reached, merged by online softmax ``chunk`` splits a step; ``out = o / l``."""
+    seq, slot, d = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    is_decode = query_start_ref[seq + 1] - query_start_ref[seq] == 1
+    # the decode kernel's programs with keys: split s holds blocks s * blocks_per_split ..
+    reached = pl.cdiv(pl.cdiv(seq_lens_ref[seq], block_k), blocks_per_split)
+    reached = jnp.where(is_decode, reached, 0)
+
+    def step(c, carry):
+        m_run, l_run, o_run = carry
+        split = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        valid = (split < reached)[:, None]
+        splits = pl.ds(c * chunk, chunk)
+        m = plgpu.load(m_ref.at[seq, slot, splits, pl.ds(0, group)], mask=valid, other=_MASK_VALUE)
+        l = plgpu.load(l_ref.at[seq, slot, splits, pl.ds(0, group)], mask=valid, other=0.0)
+        o = plgpu.load(o_ref.at[seq, slot, splits, pl.ds(0, group), pl.ds(d * block_d, block_d)],
+                       mask=valid[:, :, None], other=0.0)
+        m_next = jnp.maximum(m_run, m.max(axis=0))
+        weight = jnp.exp2(m - m_next[None, :])  # [chunk, group]; m is in base 2
+        correction = jnp.exp2(m_run - m_next)
+        l_next = l_run * correction + (weight * l).sum(axis=0)
+        o_next = o_run * correction[:, None] + (weight[:, :, None] * o).sum(axis=0)
+        return m_next, l_next, o_next
+
+    carry = (jnp.full((group,), _MASK_VALUE, jnp.float32), jnp.zeros((group,), jnp.float32),
+             jnp.zeros((group, block_d), jnp.float32))
+    _, l, o = lax.fori_loop(0, pl.cdiv(reached, chunk), step, carry)
+    out = o / jnp.where(l > 0, l, 1.0)[:, None]
+    if out_scale is not None:  # an FP8 cache's v_scale
+        out = out * out_scale
+    out_ref[...] = out.astype(out_ref.dtype)
+
+
 def _prefill_kernel(
     tile_seq_ref, tile_token0_ref, tile_pos0_ref, tile_rows_ref, page_table_ref, layer_ref,
     q_ref, k_ref, v_ref, out_init_ref, out_ref, *, group, block_q, block_k, page_size, sm_scale, out_scale,
@@ -392,10 +443,14 @@ def ragged_paged_attention_pallas(
     splits = min(splits, d_blocks)
     blocks_per_split = -(-d_blocks // splits)
     splits = -(-d_blocks // blocks_per_split)
+    merge_chunk, merge_block_d = _merge_tiles(splits, group, head_dim)
+    # The partials' split axis is padded to whole merge chunks; the merge masks the padding
+    # (never written) as it masks the splits a sequence's context did not reach.
+    padded_splits = -(-splits // merge_chunk) * merge_chunk
     part_shapes = [
-        jax.ShapeDtypeStruct((num_seqs, kv_slots, splits, decode_rows, head_dim), jnp.float32),
-        jax.ShapeDtypeStruct((num_seqs, kv_slots, splits, decode_rows), jnp.float32),
-        jax.ShapeDtypeStruct((num_seqs, kv_slots, splits, decode_rows), jnp.float32),
+        jax.ShapeDtypeStruct((num_seqs, kv_slots, padded_splits, decode_rows, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((num_seqs, kv_slots, padded_splits, decode_rows), jnp.float32),
+        jax.ShapeDtypeStruct((num_seqs, kv_slots, padded_splits, decode_rows), jnp.float32),
     ]
     # [layers, kv_slots, num_pages * page_size, D]: merging two contiguous axes is free.
     k_flat = k_cache.reshape(*k_cache.shape[:2], -1, head_dim)
@@ -429,17 +484,20 @@ def ragged_paged_attention_pallas(
         interpret=config.interpret,
         name="ragged_paged_attention_decode",
     )(*decode_args)
-    # Merge the splits (flash-decoding); rows beyond the group belong to other tokens. The
-    # splits are few and static: added one by one, the merge is elementwise, and XLA fuses it
-    # into the select below instead of launching a reduction of its own.
-    o_part, m_part, l_part = o_part[..., :group, :], m_part[..., :group], l_part[..., :group]
-    m_max = functools.reduce(jnp.maximum, [m_part[:, :, s] for s in range(splits)])
-    weight = [jnp.exp2(m_part[:, :, s] - m_max) for s in range(splits)]  # m is in base 2
-    l_sum = functools.reduce(operator.add, [weight[s] * l_part[:, :, s] for s in range(splits)])
-    o_sum = functools.reduce(operator.add, [weight[s][..., None] * o_part[:, :, s] for s in range(splits)])
-    decode_out = o_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
-    if out_scale is not None:  # an FP8 cache's v_scale
-        decode_out = decode_out * out_scale
+    # Merge the splits (flash-decoding) in a kernel that reads only the splits the sequence's
+    # context reached: an XLA merge, elementwise over the static splits, read all of them
+    # for every output element (40 at one sequence with a 5,120-token page table).
+    decode_out = pl.pallas_call(
+        functools.partial(_merge_kernel, group=group, chunk=merge_chunk, block_d=merge_block_d, block_k=decode_block_k,
+                          blocks_per_split=blocks_per_split, out_scale=out_scale),
+        grid=(num_seqs, kv_slots, head_dim // merge_block_d),
+        in_specs=[pl.no_block_spec] * 5,
+        out_specs=pl.BlockSpec((None, None, group, merge_block_d), lambda b, j, d: (b, j, 0, d)),
+        out_shape=jax.ShapeDtypeStruct((num_seqs, kv_slots, group, head_dim), q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=config.interpret,
+        name="ragged_paged_attention_merge",
+    )(query_start, seq_lens, o_part, m_part, l_part)
 
     # --- prefill ---
     num_tiles = min(-(-num_tokens // block_q) + num_seqs, num_tokens)
@@ -476,5 +534,5 @@ def ragged_paged_attention_pallas(
     seq_of_token, _, real = token_layout(metadata, num_tokens)
     is_decode = query_start[1:] - query_start[:-1] == 1
     takes_decode = is_decode[seq_of_token] & real
-    decode_heads = decode_out[:, slot_idx, group_idx].astype(q.dtype)  # [B, H, D]
+    decode_heads = decode_out[:, slot_idx, group_idx]  # [B, H, D]
     return jnp.where(takes_decode[:, None, None], decode_heads[seq_of_token], out)

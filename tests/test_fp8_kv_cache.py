@@ -221,7 +221,8 @@ def test_pallas_fp8_equals_the_reference_fp8():
 @cpu_only
 def test_fp8_kernels_lower_to_triton():
     """Pallas to Triton IR for CUDA on this CPU-only machine (nothing compiled): both
-    attention kernels and the write kernel take e4m3 caches at the Llama-3-8B shape."""
+    attention kernels (and the merge of the decode splits) and the write kernel take e4m3
+    caches at the Llama-3-8B shape."""
     spec = jax.ShapeDtypeStruct
     cache = spec((2, 8, 64, 16, 128), FP8)
     from shiftjax.kernels.metadata import AttentionMetadata
@@ -230,7 +231,7 @@ def test_fp8_kernels_lower_to_triton():
                                                                    v_scale=2.0, implementation="pallas"))
     text = attend_fn.trace(spec((40, 32, 128), jnp.bfloat16), cache, cache, md).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert text.count("__gpu$xla.gpu.triton") == 3
     write_fn = jax.jit(lambda kc, vc, qkv, p, f, s: write_qkv_to_cache(
         kc, vc, qkv, p, f, s, q_heads=32, layer=1, k_scale=0.5, v_scale=2.0, implementation="pallas"))
     ints = spec((16,), jnp.int32)

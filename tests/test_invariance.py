@@ -116,12 +116,12 @@ def test_unrolled_layers_lower_one_layer_and_update_the_cache_in_place(params):
     args = (params_for(weights, "tp"), caches, batch)
 
     # Lowered for CUDA (no GPU needed): one layer function, a call per layer, each Pallas
-    # kernel (the cache write, prefill and decode attention) once.
+    # kernel (the cache write, prefill and decode attention, the merge of the decode splits) once.
     cuda = make_step(weights, "tp", StepOptions(attention="pallas", layer_loop="unrolled")).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
     assert re.findall(r"func\.func private @(layer\w*)", cuda) == ["layer"]
     assert len(re.findall(r"call @layer\(", cuda)) == config.num_layers
-    assert cuda.count("custom_call @__gpu$xla.gpu.triton") == 3
+    assert cuda.count("custom_call @__gpu$xla.gpu.triton") == 4
 
     hlo = make_step(weights, "tp", StepOptions(attention="reference", layer_loop="unrolled")).lower(*args).compile().as_text()
     local_shape = caches.k.addressable_shards[0].data.shape

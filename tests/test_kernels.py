@@ -272,6 +272,26 @@ def test_pallas_interpret_bf16_and_default_splits():
     assert err < 2e-2, err
 
 
+def test_pallas_interpret_merges_the_splits_a_chunk_at_a_time(monkeypatch):
+    """A merge tile smaller than the splits: the merge folds them a chunk a step, the last
+    chunk part padding, and each decode sequence only the splits its context reached."""
+    from shiftjax.kernels import pallas_gpu
+
+    monkeypatch.setattr(pallas_gpu, "_MERGE_TILE_ELEMENTS", 64)  # group 2 x head_dim 16: 2 splits a step
+    assert pallas_gpu._merge_tiles(7, 2, 16) == (2, 16)
+    case = random_case(np.random.default_rng(11), q_lens=[1, 1, 3, 1], cached_lens=[103, 6, 20, 40],
+                       q_heads=4, kv_slots=2, head_dim=16, page_size=16, max_pages=7, pad_tokens=3)
+    config = PallasAttentionConfig(prefill_rows=16, prefill_block_k=16, decode_block_k=16, decode_splits=7,
+                                   interpret=True)
+    static = dict(sm_scale=0.25)
+    expected = run(ragged_paged_attention_reference, case, **static)
+    fn = jax.jit(lambda q, k, v, md, layer: ragged_paged_attention_pallas(
+        q, k, v, md, layer=layer, config=config, _poison=True, **static))
+    out = np.asarray(fn(*case_args(case)))
+    real = int(case.query_start[-1])
+    np.testing.assert_allclose(out[:real], expected[:real], atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("head_dim,page_size,dtype", [(64, 16, jnp.bfloat16), (128, 128, jnp.float32), (64, 128, jnp.bfloat16), (128, 32, jnp.bfloat16)])
 def test_pallas_lowers_to_triton(head_dim, page_size, dtype):
     """The Triton lowering (not only interpret mode) accepts the supported shapes; checked
@@ -287,7 +307,7 @@ def test_pallas_lowers_to_triton(head_dim, page_size, dtype):
     )
     fn = jax.jit(lambda q, k, v, md, layer: ragged_paged_attention_pallas(q, k, v, md, layer=layer, sm_scale=0.1))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 2  # decode and prefill kernels
+    assert text.count("__gpu$xla.gpu.triton") == 3  # decode, merge and prefill kernels
 
 
 def test_config_rejects_bad_settings():
