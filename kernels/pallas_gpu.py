@@ -280,12 +280,13 @@ def _merge_kernel(
     def step(c, carry):
         m_run, l_run, o_run = carry
         split = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        valid = (split < reached)[:, None]
+        valid = split < reached
         splits = pl.ds(c * chunk, chunk)
-        m = plgpu.load(m_ref.at[seq, slot, splits, pl.ds(0, group)], mask=valid, other=_MASK_VALUE)
-        l = plgpu.load(l_ref.at[seq, slot, splits, pl.ds(0, group)], mask=valid, other=0.0)
+        row_mask = jnp.broadcast_to(valid[:, None], (chunk, group))
+        m = plgpu.load(m_ref.at[seq, slot, splits, pl.ds(0, group)], mask=row_mask, other=_MASK_VALUE)
+        l = plgpu.load(l_ref.at[seq, slot, splits, pl.ds(0, group)], mask=row_mask, other=0.0)
         o = plgpu.load(o_ref.at[seq, slot, splits, pl.ds(0, group), pl.ds(d * block_d, block_d)],
-                       mask=valid[:, :, None], other=0.0)
+                       mask=jnp.broadcast_to(valid[:, None, None], (chunk, group, block_d)), other=0.0)
         m_next = jnp.maximum(m_run, m.max(axis=0))
         weight = jnp.exp2(m - m_next[None, :])  # [chunk, group]; m is in base 2
         correction = jnp.exp2(m_run - m_next)
