@@ -53,6 +53,9 @@ PAGE = 16
 PARTS = "ceilings,correct,steps_mesh,steps_1gpu,engine"  # the default run; allreduce and collectives on request
 RESULTS: dict = {}
 RECORDED_ENVIRONMENT = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_ALLOCATOR", "TF_CPP_VMODULE", "NCCL_NVLS_ENABLE")
+# (warm-up calls, timed calls) of each step in ``time_steps``; on the CPU (--smoke) timings mean
+# nothing, and every step still runs warmed up and timed with fewer
+TIMED_CALLS = {"gpu": (3, 15), "cpu": (1, 3)}
 
 
 def log(*args):
@@ -86,7 +89,8 @@ def ceilings(smoke: bool) -> dict:
     out = {}
     for d in jax.local_devices():
         with jax.default_device(d):
-            c = roofline.ceilings((64 << 20) if smoke else (4 << 30), 1 if smoke else 3, 512 if smoke else 8192)
+            # --smoke: roofline.py --smoke's sizes (the code path on every device, not the numbers)
+            c = roofline.ceilings((8 << 20) if smoke else (4 << 30), 1 if smoke else 3, 128 if smoke else 8192)
         out[str(d)] = {"read_Bps": c["read"]["best"], "copy_Bps_best": c["copy"]["best"],
                        "matmul_flops": c["matmul"]["best"], "detail": c}
         log(f"ceilings {d}:\n{roofline.describe(c)}")
@@ -162,7 +166,8 @@ def time_steps(weights, mesh, shapes: dict, *, attention: str, profile: bool, nu
             result, state["caches"] = executable(params, state["caches"], b)
             return getattr(result, field)
 
-        row = {"wall_ms": time_fn(run, batch, warmup=3, iters=15) * 1e3, "call_ms": _call_ms(run, batch),
+        warmup, iters = TIMED_CALLS[jax.default_backend()]
+        row = {"wall_ms": time_fn(run, batch, warmup=warmup, iters=iters) * 1e3, "call_ms": _call_ms(run, batch, iters),
                # the greedy tokens of the step (the same batch each call): variants must agree
                "tokens": np.asarray(run(batch))[:, 0].tolist(),
                # the logits' bytes, where the step returns them: SP's against TP's, and a
@@ -413,7 +418,7 @@ def sp_all_to_all(smoke: bool, attention: str, profile: bool) -> dict:
               ("tp", "dec64"): decode_batch(64, context, decode_pages)}
     cublas = None if smoke else compiling.xla_compiler_options(StepOptions(gemm="cublas"), "gpu")  # GPU-only options
     kernel = "xla" if smoke else "one_shot"  # the kernel needs two GPUs
-    run = functools.partial(time_steps, attention=attention, profile=profile, num_pages=64 * (1024 // PAGE + 1) + 2,
+    run = functools.partial(time_steps, attention=attention, profile=profile, num_pages=64 * (context // PAGE + 1) + 2,
                             compiler_options=cublas, sample_in_step=False)
     mesh = make_mesh(2, 1, jax.devices()[:2])
     if kernel == "one_shot":
@@ -492,7 +497,7 @@ def collectives(smoke: bool) -> dict:
     from jax.sharding import PartitionSpec as P
 
     mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
-    sizes = [1 << 12, 1 << 16, 1 << 20, 1 << 24] if smoke else [1 << k for k in range(12, 28, 2)]
+    sizes = [1 << 12, 1 << 14, 1 << 16, 1 << 18] if smoke else [1 << k for k in range(12, 28, 2)]
     repeats = 4 if smoke else 20
     out = {"bytes_per_device": sizes, "all_reduce_s": [], "all_to_all_s": []}
     kernels = not smoke  # the one-shot kernels run on two GPUs (on the CPU they are lowered only)
@@ -526,7 +531,8 @@ def collectives(smoke: bool) -> dict:
             if name.startswith("one_shot") and size > collective_kernels.DEFAULT_CAPACITY_BYTES:
                 out[name].append(None)  # the kernel would take psum / NCCL: not measured
                 continue
-            out[name].append(min(time_fn(fn, x, warmup=2, iters=10) for _ in range(3)) / repeats)
+            out[name].append(min(time_fn(fn, x, warmup=1 if smoke else 2, iters=3 if smoke else 10)
+                                 for _ in range(1 if smoke else 3)) / repeats)
         log(f"  {size:>10d} B/device: " + ", ".join(
             f"{name[:-2]} {'n/a' if out[name][-1] is None else f'{out[name][-1] * 1e6:8.1f} us'}" for name in measured))
     return out
