@@ -1,5 +1,5 @@
 """The Pallas kernel behind ``cache_write.write_qkv_to_cache`` (Triton backend, as the
-attention kernels in ``pallas_gpu.py``): one program per token and KV slot."""
+attention kernels in ``pallas_gpu.py``): one program per token."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def write_qkv_to_cache_pallas(
     return pl.pallas_call(
         functools.partial(_kernel, q_heads=q_heads, kv_slots=k_cache.shape[1], page_size=k_cache.shape[3],
                           k_scale=k_scale, v_scale=v_scale),
-        grid=(qkv.shape[0], k_cache.shape[1]),
+        grid=(qkv.shape[0],),
         in_specs=[pl.no_block_spec] * len(args),
         out_specs=[pl.no_block_spec, pl.no_block_spec],
         out_shape=[jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)] * 2,
@@ -45,7 +45,7 @@ def write_qkv_to_cache_pallas(
 
 def _kernel(slot_ref, position_ref, layer_ref, inv_freq_ref, qkv_ref, _k_in, _v_in, k_ref, v_ref, *,
             q_heads, kv_slots, page_size, k_scale, v_scale):
-    token, j = pl.program_id(0), pl.program_id(1)
+    token = pl.program_id(0)
     slot = slot_ref[token]
     page, offset, layer = slot // page_size, slot % page_size, layer_ref[0]
     half = inv_freq_ref.shape[0]
@@ -53,9 +53,10 @@ def _kernel(slot_ref, position_ref, layer_ref, inv_freq_ref, qkv_ref, _k_in, _v_
     dtype = qkv_ref.dtype
     angles = position_ref[token].astype(jnp.float32) * inv_freq_ref[...]
     cos, sin = jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
-    k_lo, k_hi = qkv_ref[token, q_heads + j, lo], qkv_ref[token, q_heads + j, hi]
-    v = qkv_ref[token, q_heads + kv_slots + j, :]
-    # rotate_half: [x_lo, x_hi] -> [-x_hi, x_lo], each product and the sum rounded as in apply_rope
-    k_ref[layer, j, page, offset, lo] = to_cache_dtype(k_lo * cos + (-k_hi) * sin, k_ref.dtype, k_scale)
-    k_ref[layer, j, page, offset, hi] = to_cache_dtype(k_hi * cos + k_lo * sin, k_ref.dtype, k_scale)
-    v_ref[layer, j, page, offset, :] = to_cache_dtype(v, v_ref.dtype, v_scale)
+    for j in range(kv_slots):  # few and static
+        k_lo, k_hi = qkv_ref[token, q_heads + j, lo], qkv_ref[token, q_heads + j, hi]
+        # rotate_half: [x_lo, x_hi] -> [-x_hi, x_lo], each product and the sum rounded as in apply_rope
+        k_ref[layer, j, page, offset, lo] = to_cache_dtype(k_lo * cos + (-k_hi) * sin, k_ref.dtype, k_scale)
+        k_ref[layer, j, page, offset, hi] = to_cache_dtype(k_hi * cos + k_lo * sin, k_ref.dtype, k_scale)
+        v_ref[layer, j, page, offset, :] = to_cache_dtype(qkv_ref[token, q_heads + kv_slots + j, :], v_ref.dtype,
+                                                          v_scale)
