@@ -397,6 +397,9 @@ def main() -> int:
     rng = random.Random(31)
     scale = (dict(bodies=12, grpc=8, slow=0, queue=6, sigterm=2) if args.smoke
              else dict(bodies=225, grpc=100, slow=100, queue=40, sigterm=8))  # 8: 4 running, 4 queued
+    if args.smoke:  # its requests hold at most ~22 pages at once; the later --num-pages wins. (The CPU's
+        # layer scan carries the whole cache each step: 64 pages made each step ~2x slower than 24.)
+        ENGINE_ARGS.extend(["--num-pages", "24"])
     with tempfile.TemporaryDirectory() as folder:
         key_file = Path(folder) / "token"
         key_file.write_text(TOKEN)

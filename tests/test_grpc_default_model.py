@@ -23,7 +23,10 @@ from loopback import free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
-ENGINE = dict(max_model_len=128, page_size=16, num_pages=64, max_num_seqs=8, max_num_batched_tokens=64,
+# 23 usable pages: more than any test holds at once (8 short rows; or one 128-token stream
+# beside a few short ones). The CPU's layer scan carries the whole cache each step, so a
+# pool of 64 made every step ~2x slower for nothing.
+ENGINE = dict(max_model_len=128, page_size=16, num_pages=24, max_num_seqs=8, max_num_batched_tokens=64,
               token_buckets=(16, 64), seq_buckets=(8,), mode="auto", shift_threshold=32)
 TEXT_PROMPTS = ["Hello, my name is", "The capital of France is"]
 CHAT = "Name a colour."

@@ -107,8 +107,12 @@ def served():
     # many steps as its longest answer; two buckets only (each costs ~15 s to compile on
     # this 2-core CPU). Unrolled layers: 2.5x faster steps than the scan (300 vs 750 ms for
     # 8 rows) for ~10 s more compiling.
+    # 400 usable pages: 160 tokens a row for all 40 at once, more than these prompts and
+    # answers take (the fallback, 801, lets each row reach max_model_len). Even unrolled, a
+    # CPU step's time grows with the pool: 0.52 s at 801 pages, 0.27 at 161, for 8 rows.
     llm = shiftjax.LLM("default", dtype="float32", max_model_len=320, max_num_seqs=40, max_num_batched_tokens=256,
-                       token_buckets=(40, 256), seq_buckets=(40,), mode="tp", layer_loop="unrolled")
+                       token_buckets=(40, 256), seq_buckets=(40,), mode="tp", layer_loop="unrolled",
+                       num_pages=401)
     service = AsyncEngineService(llm.engine, llm.tokenizer, model_name=MODEL)
     service.wait_ready(600.0)
     with live_server(create_app(service, model_name=MODEL, tool_call_parser="hermes")) as url:
