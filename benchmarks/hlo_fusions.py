@@ -8,13 +8,19 @@ operands) and the computation it calls, each cut to ``--lines`` lines.
 
     python3 benchmarks/hlo_fusions.py DIR --kernels loop_convert_fusion_32,wrapped_transpose
     python3 benchmarks/hlo_fusions.py DIR --anatomy anatomy_fp8.json --top 60   # its decode step's top kernels
+    python benchmarks/hlo_fusions.py --smoke --out DIR   # the CPU: a small function's dump, read back
+
+With ``--out``, the findings also go to ``DIR/hlo_fusions.json`` (module -> kernel -> text).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
@@ -55,25 +61,52 @@ def anatomy_kernels(path: Path, part: str, top: int) -> list[str]:
     return [name for device in devices.values() for name in list(device["top_kernels"])[:top]]
 
 
+def smoke_dump(folder: Path) -> list[str]:
+    """Dumps a small jitted function's HLO into ``folder`` on the CPU (``XLA_FLAGS`` set
+    before JAX starts) and returns its fusions' names, as a profile would name their kernels."""
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={folder} --xla_dump_hlo_as_text"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    import jax.numpy as jnp
+
+    jax.jit(lambda x: (jnp.cos(x) * x).astype(jnp.bfloat16).T + 1)(jnp.ones((64, 32))).block_until_ready()
+    text = "".join(path.read_text() for path in folder.glob("*jit__lambda*after_optimizations.txt"))
+    return sorted({name.replace(".", "_") for name in re.findall(r"%([\w.]*fusion[\w.]*) = ", text)})
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("dump", type=Path, help="the --xla_dump_to folder")
+    parser.add_argument("dump", type=Path, nargs="?", help="the --xla_dump_to folder")
     parser.add_argument("--kernels", default="", help="profiled kernel names, comma-separated")
     parser.add_argument("--anatomy", type=Path, help="and the top kernels of this fp8_served_anatomy.py result")
     parser.add_argument("--part", default="decode", choices=("decode", "ttft"))
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--module", default="", help="only modules whose file name contains this")
     parser.add_argument("--lines", type=int, default=40)
+    parser.add_argument("--out", type=Path, help="also write the findings to OUT/hlo_fusions.json")
+    parser.add_argument("--smoke", action="store_true", help="the CPU: dump a small function and read it back")
     args = parser.parse_args()
     kernels = [k for k in args.kernels.split(",") if k]
+    if args.smoke:
+        args.dump = Path(tempfile.mkdtemp())
+        kernels += smoke_dump(args.dump)
+    elif args.dump is None:
+        parser.error("the dump folder is required (or --smoke)")
     if args.anatomy:
         kernels += anatomy_kernels(args.anatomy, args.part, args.top)
+    findings = {}
     for path in sorted(args.dump.glob("*after_optimizations.txt")):
         if args.module not in path.name:
             continue
         found = describe(path.read_text(), kernels, args.lines)
         if found:
+            findings[path.name] = {text.split("\n", 1)[0][3:]: text.split("\n", 1)[1] for text in found}
             print(f"# {path.name}\n" + "\n".join(found) + "\n")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "hlo_fusions.json").write_text(json.dumps(findings, indent=1))
+    if args.smoke:
+        shutil.rmtree(args.dump)
 
 
 if __name__ == "__main__":

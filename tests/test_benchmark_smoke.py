@@ -59,7 +59,8 @@ SCRIPTS = {"shift_x2.py": (["--smoke", "--engine-variants", "shipped,in_step_sam
            "fp8_served_anatomy.py": (["--smoke", "--quantization", "fp8", "--decode-steps", "5", "--profiled", "2"],
                                      "anatomy_fp8.json"),
            "remat_check.py": (["--smoke"], "remat_fp8.json"),
-           "fp8_rows_bench.py": (["--smoke", "--iters", "2"], "rows_bench.json")}
+           "fp8_rows_bench.py": (["--smoke", "--iters", "2"], "rows_bench.json"),
+           "hlo_fusions.py": (["--smoke"], "hlo_fusions.json")}
 # restore_gpu.py --smoke runs in tests/test_sharded_restore.py, which checks its phases' results
 SMOKED_ELSEWHERE = {"restore_gpu.py"}
 SLOW = {"shift_x2.py", "x8_checks.py", "hostile_clients.py", "speculative_acceptance.py", "speculative_served.py",
@@ -180,6 +181,8 @@ def test_script_smoke(script, tmp_path):
         assert set(variants) == {"small_cache", "full_cache_xla_default", "full_cache_compiled_first", "full_cache"}
         assert all("ms_median" in row for row in variants.values()), variants
         assert variants["full_cache"]["remat_instructions"] == 0, variants
+    if script == "hlo_fusions.py":  # the dumped function's fusion read back, its cosine inside
+        assert any("cosine(" in text for kernels in data.values() for text in kernels.values()), data
     if script == "fp8_rows_bench.py":  # every op timed both ways; the kernels agree with XLA's passes
         assert len(data["cases"]) == 3 and all(c["agreement"]["rel_error"] < 0.05 for c in data["cases"]), data
     if script == "sp_exchange.py":  # the exchanges change transfers, not the arithmetic
