@@ -41,16 +41,16 @@ def computation(text: str, name: str, lines: int) -> str:
     return "\n".join(body[:lines] + ([f"... {len(body) - lines} more lines"] if len(body) > lines else []))
 
 
-def describe(text: str, kernels: list[str], lines: int) -> list[str]:
-    """The instruction and called computation of each of ``kernels`` found in ``text``."""
-    found = []
+def describe(text: str, kernels: list[str], lines: int) -> dict[str, str]:
+    """kernel -> its instruction and called computation, for each of ``kernels`` in ``text``."""
+    found = {}
     for kernel in kernels:
         match = instruction_pattern(kernel).search(text)
         if match is None:
             continue
         line = match.group(0).strip()
         called = _CALLS.search(line)
-        found.append(f"## {kernel}\n{line[:2000]}\n" + (computation(text, called.group(1), lines) if called else ""))
+        found[kernel] = f"{line[:2000]}\n" + (computation(text, called.group(1), lines) if called else "")
     return found
 
 
@@ -100,8 +100,8 @@ def main():
             continue
         found = describe(path.read_text(), kernels, args.lines)
         if found:
-            findings[path.name] = {text.split("\n", 1)[0][3:]: text.split("\n", 1)[1] for text in found}
-            print(f"# {path.name}\n" + "\n".join(found) + "\n")
+            findings[path.name] = found
+            print(f"# {path.name}\n" + "\n".join(f"## {kernel}\n{text}" for kernel, text in found.items()) + "\n")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "hlo_fusions.json").write_text(json.dumps(findings, indent=1))
