@@ -1,7 +1,7 @@
 """Ragged paged attention for a flat batch mixing prefill chunks and decode tokens.
 
-Cache layout: ``[layers, kv_slots, num_pages, page_size, head_dim]``. Issue 4 states the
-per-layer shape ``[K_loc, num_pages, page_size, D]``; we stack the layers on a leading axis
+Cache layout: ``[layers, kv_slots, num_pages, page_size, head_dim]``: each layer's
+``[kv_slots, num_pages, page_size, head_dim]`` cache, stacked on a leading axis
 (docs/architecture.md, "The cache"), and every function here takes the
 whole stack plus the layer index as a scalar (possibly traced inside ``lax.scan``), so no
 caller ever slices out a layer and no path copies one.

@@ -1,4 +1,4 @@
-"""Hypothesis strategies for what a hostile client sends (issue 31), and the oracle every
+"""Hypothesis strategies for what a hostile client sends, and the oracle every
 answer must meet: raw HTTP bodies (deep, wide, wrong types, huge numbers, invalid UTF-8,
 lone surrogates, not JSON at all) and GenerateRequests with any field values, or bytes
 that are no request. Every answer is a 2xx, or a 4xx naming what is wrong; never a 5xx

@@ -49,7 +49,7 @@ def test_compare_files_read_and_plan(prefix, monkeypatch):
 
 @pytest.mark.parametrize("prefix", ["h200x2_llama8b", "h200x8_llama70b", "h200x2_allocator", "h200x2_all_reduce"])
 def test_gpu_compare_files_need_nothing_the_gpu_machines_lack(prefix):
-    """The lent GPU machines run the checkout uninstalled, without FastAPI or the default
+    """The GPU machines run the checkout uninstalled, without FastAPI or the default
     model's GGUF package: their servers start through ``{python} -P -m``, serve gRPC only,
     and take the default model's tokenizer from the repository."""
     from shiftjax.serving.bench.server_process import read_deployments

@@ -177,7 +177,7 @@ def test_server_info_reports_the_engine(client):
     assert info.steps > 0 and sum(info.steps_by_mode.values()) == info.steps
 
 
-# Issue 31: hostile clients, against the real engine and both front ends on one loop.
+# Hostile clients, against the real engine and both front ends on one loop.
 
 @pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")
 def test_fuzzed_bodies_and_requests_get_2xx_or_a_4xx_by_name_then_greedy_is_exact(client, served):
@@ -218,7 +218,7 @@ HEALTH_BOUND_SECONDS = 1.0  # health answered within this while megabytes of pro
 
 
 def test_a_20_mb_prompt_stalls_neither_health_nor_a_running_stream(client, served):
-    """Issue 31: a 20 MB prompt was tokenized on the event loop both front ends share, for
+    """A 20 MB prompt was tokenized on the event loop both front ends share, for
     16-18 s, and HTTP and gRPC health stalled as long. Now 20 MB is refused at once (413,
     RESOURCE_EXHAUSTED: past --max-request-bytes), and a 2.7 MB prompt under the limit is
     tokenized on a pool thread (seconds) and refused as too long, while health answers and
@@ -280,7 +280,7 @@ def test_a_20_mb_prompt_stalls_neither_health_nor_a_running_stream(client, serve
 
 
 def test_the_id_stealing_sequence_fails_no_one(client, served):
-    """Issue 31: server ids were req-0, req-1, ... in one namespace with client ids, so
+    """Server ids were req-0, req-1, ... in one namespace with client ids, so
     streams opened as req-3 and req-4 made the next ordinary requests fail "already in
     flight". Now a client's id labels its own call only and the server's are random."""
     import re

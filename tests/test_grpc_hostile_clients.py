@@ -1,4 +1,4 @@
-"""The gRPC front end against what a hostile client sends (issue 31), on the fake service:
+"""The gRPC front end against what a hostile client sends, on the fake service:
 bytes that are no request message, a message past the size limit, request ids chosen to
 collide or to carry escapes. The default model's turn (fuzzing, a 20 MB prompt, the
 id-stealing sequence) is in test_grpc_default_model.py."""

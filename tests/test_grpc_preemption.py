@@ -1,6 +1,6 @@
 """A real gRPC server over a page pool small enough to preempt: concurrent streams still get
 exactly the greedy tokens each prompt gets alone, and ServerInfo shows the preemptions
-happened and that every page came back (issue 7, "must show")."""
+happened and that every page came back."""
 
 import asyncio
 

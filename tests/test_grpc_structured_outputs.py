@@ -1,4 +1,4 @@
-"""Structured outputs over gRPC (issue 29): ``GenerateRequest.structured_outputs`` read into the
+"""Structured outputs over gRPC: ``GenerateRequest.structured_outputs`` read into the
 engine's :class:`StructuredOutputs` for every kind, every malformed message refused with
 INVALID_ARGUMENT naming the field as inference.proto spells it, the client's dataclass and
 ``shiftjax client``'s flags (against the fake service); then the default model behind a real

@@ -1,4 +1,4 @@
-"""The HTTP front end against what a hostile client sends (issue 31), on the fake service and
+"""The HTTP front end against what a hostile client sends, on the fake service and
 a real uvicorn on loopback: bodies past the size limit (413, by Content-Length and while
 streaming), bodies and headers sent too slowly (408; the connection closed), JSON too deep
 or not Unicode (400 naming where), a client leaving mid-body (one debug line), when to

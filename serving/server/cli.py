@@ -8,10 +8,11 @@ health turns ``SERVING`` and the HTTP and metrics ports open. SIGTERM or SIGINT 
 ``Retry-After``), new requests are refused, running ones are given ``--grace-seconds`` and
 then end with an abort finish reason; then exit 0.
 
-What a client may send is bounded (issue 31): ``--max-request-bytes`` for an HTTP body and a
-gRPC message alike, ``--read-timeout`` for HTTP headers and bodies, and the parsing,
-tokenizing and chat-template rendering of both front ends run on ``--tokenize-workers``
-threads, never on the event loop that answers health checks and streams tokens.
+What a client may send is bounded, so that one hostile client cannot stall the others:
+``--max-request-bytes`` for an HTTP body and a gRPC message alike, ``--read-timeout`` for
+HTTP headers and bodies, and the parsing, tokenizing and chat-template rendering of both
+front ends run on ``--tokenize-workers`` threads, never on the event loop that answers
+health checks and streams tokens.
 """
 
 from __future__ import annotations

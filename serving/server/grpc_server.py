@@ -8,13 +8,13 @@ cancellation: grpc.aio cancels the handler's task when the client cancels, disco
 its deadline passes, and the stream's ``aclose()`` frees the request's pages at once. The
 service alone says a request ended for its deadline (:class:`DeadlineExceeded`).
 
-Against hostile clients (issue 31): messages past ``max_message_bytes`` are
+Against hostile clients: messages past ``max_message_bytes`` are
 RESOURCE_EXHAUSTED before a byte is parsed, bytes that are no request message are
 INVALID_ARGUMENT (:class:`UndecodableRequestInterceptor`), tokenizing runs on a
 :class:`TokenizePool` thread, and a client's ``request_id`` labels its own call only (the
 service keys every request by an id of its own), so no client can take another's.
 
-A request's structured-output constraint (issue 29) is compiled on that same pool thread,
+A request's structured-output constraint is compiled on that same pool thread,
 before ``submit``: one that does not compile is INVALID_ARGUMENT naming the proto's field
 (``structured_outputs.regex``), and the engine thread finds the others compiled.
 """

@@ -2,7 +2,7 @@
 so that the event loop both front ends share never does.
 
 On the loop, a 20 MB prompt took 16-18 s to tokenize, and for all that time HTTP
-``/health``, gRPC health and every other request's stream stood still (issue 31). A worker
+``/health``, gRPC health and every other request's stream stood still. A worker
 thread alone is not enough: the tokenizers library's ``encode`` held the GIL for the whole
 of an encode from the second call on (a 2.7 MB prompt, 450,000 tokens: the loop stalled
 1.16-1.32 s, as long as the encode), and ``decode`` held it too (300,000 ids: 46 ms), while
