@@ -48,9 +48,9 @@ class Fp8GemmChoice:
     of at most ``cublas_max_rows`` rows runs as XLA's e4m3 dot (cuBLASLt's FP8 GEMM), above
     that the Mosaic GPU kernel.
 
-    The defaults are the H200's measurements (benchmarks/README.md, "FP8 decode"). Alone,
-    cuBLASLt's FP8 GEMM was the fastest decode GEMM (benchmarks/results/fp8_h200/sweep/),
-    but inside an unrolled step XLA copies each layer's weight out of the stack before a
+    The defaults are the H200's measurements (benchmarks/README.md, "One GPU: FP8 weights
+    and the FP8 KV cache"). Alone, cuBLASLt's FP8 GEMM was the fastest decode GEMM on the
+    H200, but inside an unrolled step XLA copies each layer's weight out of the stack before a
     cuBLASLt call, statically sliced or not, and the copy made that step slower than bf16's;
     the Pallas kernels read their layer in place (``layer=``)."""
 

@@ -15,8 +15,8 @@ stripe, each a float32 partial, when ``n`` is too small to fill the 132 SMs) XLA
 partials and applies the scales in one small fusion. (Until 2026-12-06 the activations
 were float16, divided per row by a power of two in an XLA pre-pass so that float16 held
 them exactly: on an H100 the bf16 operand with the scales in the kernel took 8B's gate|up
-at 16 tokens from 51.0 to 47.4 us, and q|k|v at 64 from 25.0 to 17.5,
-benchmarks/results/fp8_h100/mosaic_bf16/.)
+at 16 tokens from 51.0 to 47.4 us, and q|k|v at 64 from 25.0 to 17.5;
+benchmarks/README.md, "One GPU: FP8 weights and the FP8 KV cache".)
 
 ``w8a8`` takes ``x`` quantized per row (:class:`fp8_gemm.QuantizedRows`, made by one of
 :mod:`fp8_rows`'s one-pass kernels, fused with the op before it where the model can), then runs an
@@ -36,8 +36,8 @@ Both kernels take every layer's weights, stacked, with the layer's index (``laye
 read that layer in place: XLA would copy a sliced operand out of the stack first. Measured
 on the H200 (benchmarks/README.md, "FP8 weights and the FP8 KV cache"): w8a8 runs a 4,096-token
 prefill step at 0.76x bf16's; w8a16, with float16 operands then, decoded 1 sequence at 1.01x
-and 64 at 1.19x bf16's step (the Triton w8a16 kernel is faster at 16 rows). The GEMM-level numbers and the sweep of
-configs are in benchmarks/results/fp8_h200/gemm/ and sweep/.
+and 64 at 1.19x bf16's step (the Triton w8a16 kernel is faster at 16 rows). The same
+section has the GEMM-level numbers.
 """
 
 from __future__ import annotations
@@ -109,8 +109,9 @@ def w8a16_config(n: int, k: int, m: int) -> W8A16Config:
     """The config used for an ``[m, k] @ [n, k].T`` decode GEMM: no split-K where there are
     half as many 64-row stripes as SMs or more (the kernel then scales and writes bf16 itself),
     otherwise split-K to 2 CTAs per SM, at least 4 steps per CTA. Measured on an H100
-    (benchmarks/results/fp8_h100/mosaic_bf16/): q|k|v (96 stripes) took 14.2 us at 16 tokens
-    and 17.5 at 64 without split-K against 15.4 and 21.0 with 4 pieces."""
+    (benchmarks/README.md, "One GPU: FP8 weights and the FP8 KV cache"): q|k|v (96
+    stripes) took 14.2 us at 16 tokens and 17.5 at 64 without split-K against 15.4 and
+    21.0 with 4 pieces."""
     tile_k = 256 if m <= 64 else 128  # the x tile grows with m: [m, tile_k] bf16 per stage
     stripes = n // 64
     split = 1

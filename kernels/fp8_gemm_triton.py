@@ -17,12 +17,12 @@ CPU (``interpret=True``: the tests).
 Weight stacks past 2 GiB: Pallas's Triton lowering computes a ref's element offsets in 32
 bits unless the ref holds more than 4 GiB, and the pointer arithmetic reads those bits as
 signed, so the elements of a 2-4 GiB ref past 2**31 are out of reach (Llama-3.1-8B's gate|up
-over 32 layers, 3.5 GiB of e4m3: on the H200 its last layer gave products 100x off,
-benchmarks/results/fp8_h200/stack_past_2_gib/). The kernel refuses such a stack, which
-``Fp8GemmChoice`` sends to the Mosaic kernel; past 4 GiB (every Llama-3.1-70B stack) the
-offsets are 64-bit and the kernel reads any layer. (Reading a 2-4 GiB stack as uint16 pairs
-of e4m3 values was tried: correct, but 8B's gate|up took 77 us against the Mosaic kernel's
-51 us on an H100, benchmarks/results/fp8_h100/triton_tiles/.)
+over 32 layers, 3.5 GiB of e4m3: on the H200 its last layer gave products 100x off;
+benchmarks/README.md, "One GPU: FP8 weights and the FP8 KV cache"). The kernel refuses
+such a stack, which ``Fp8GemmChoice`` sends to the Mosaic kernel; past 4 GiB (every
+Llama-3.1-70B stack) the offsets are 64-bit and the kernel reads any layer. (Reading a 2-4
+GiB stack as uint16 pairs of e4m3 values was tried: correct, but 8B's gate|up took 77 us
+against the Mosaic kernel's 51 us on an H100.)
 """
 
 from __future__ import annotations
@@ -69,9 +69,10 @@ class TritonW8A16Config:
 def triton_w8a16_config(n: int, k: int, m: int) -> TritonW8A16Config:
     """The config for an ``[m, k] @ [n, k].T`` decode GEMM: 32-row blocks, and split-K until
     there are 1.5 programs per SM (or the pieces get shorter than 4 steps). Measured at 16
-    tokens on an H100, benchmarks/results/fp8_h100/triton_tiles/: against the 64-row blocks
-    with split-K to 2 programs per SM used before, Llama-3.1-8B's q|k|v took 14.5 us against
-    16.1, o 11.2 against 11.9, down 28.4 against 35.3 (XLA's sum of the partials included)."""
+    tokens on an H100 (benchmarks/README.md, "One GPU: FP8 weights and the FP8 KV cache"):
+    against the 64-row blocks with split-K to 2 programs per SM used before, Llama-3.1-8B's
+    q|k|v took 14.5 us against 16.1, o 11.2 against 11.9, down 28.4 against 35.3 (XLA's sum
+    of the partials included)."""
     del m
     block_n, block_k = 32, 256
     split = 1

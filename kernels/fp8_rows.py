@@ -65,7 +65,7 @@ class RowsConfig:
         return int(min(32, 1 << max(0, warps - 1).bit_length()))
 
 
-DEFAULT_CONFIG = RowsConfig()  # benchmarks/fp8_rows_bench.py on the H200
+DEFAULT_CONFIG = RowsConfig()  # the fastest measured on an H200 (benchmarks/README.md, "One GPU: FP8 weights and the FP8 KV cache")
 
 
 # ------------------------------------------------------------------------- references

@@ -7,7 +7,7 @@
 // kernels themselves take ~12 us each for a decode step's 64 KiB; benchmarks/README.md, "Two GPUs").
 // These kernels are plain kernel launches on XLA's stream, with buffers set up once per
 // process, so a step can be one graph; the exchange is also quicker than NCCL's at every size
-// measured (benchmarks/exchange_bandwidth.py).
+// measured (two H200s; benchmarks/README.md, "Two GPUs").
 //
 // Protocol of the all-reduce, per call (rank r of 2, its peer p; every block handles one segment):
 //   1. write my segment of x into the peer's receive buffer (slot = call parity) over NVLink;
@@ -37,7 +37,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// (macros for benchmarks/exchange_bandwidth.py, which builds variants; the defaults ship)
+// (macros, so that variants can be built and measured; the defaults ship)
 #ifndef SHIFTJAX_MAX_BLOCKS
 #define SHIFTJAX_MAX_BLOCKS 132
 #endif

@@ -48,12 +48,13 @@ output element, in the merge of the decode splits and in the prefill kernel's ep
 work is added. Against a bf16 cache holding ``e4m3 * scale`` this moves one rounding
 (of q times the scales instead of the cache times its scale); with power-of-two scales
 the two agree exactly. Other caches ignore the scales. Measured on the H200 (Llama-3.1-8B
-shape, 8k context, benchmarks/results/fp8_h200/kv_cache): correct (2.7e-3 relative to the
-reference), but the decode kernel takes the bf16 cache's time (14.7 / 69.7 / 472 us against
-14.7 / 71.1 / 502 us at 1 / 8 / 64 sequences, so 25-49% of the read stream on half the
-bytes), and larger key blocks, 8 warps or 4 stages did not help: per key, not per byte,
-work bounds it (the e4m3 conversion, presumably; not profiled). The FP8 cache buys
-capacity (twice the tokens per GiB), not decode speed, until a kernel converts cheaper.
+shape, 8k context; benchmarks/README.md, "One GPU: FP8 weights and the FP8 KV cache"):
+correct (2.7e-3 relative to the reference), but the decode kernel takes the bf16 cache's
+time (14.7 / 69.7 / 472 us against 14.7 / 71.1 / 502 us at 1 / 8 / 64 sequences, so 25-49%
+of the read stream on half the bytes), and larger key blocks, 8 warps or 4 stages did not
+help: per key, not per byte, work bounds it (the e4m3 conversion, presumably; not
+profiled). The FP8 cache buys capacity (twice the tokens per GiB), not decode speed, until
+a kernel converts cheaper.
 
 Caches of more than 2**31 elements per array are read correctly at their far end (checked
 on the H200 with a 2.2e9-element bf16 cache, 4.4 GiB: tests/test_kernels_gpu.py

@@ -4,9 +4,9 @@ Pallas's Triton lowering computes a ref's element offsets in 32 bits unless the 
 more than 4 GiB, and the pointer arithmetic reads those bits as signed: the elements of a
 ref of 2 to 4 GiB past 2**31 are out of reach, which only a 1-byte dtype (e4m3) can reach
 (on the H200, the last layer of Llama-3.1-8B's 32-layer, 3.5 GiB e4m3 gate|up stack gave
-products 100x off: benchmarks/results/fp8_h200/stack_past_2_gib/). Past 4 GiB the offsets
-are 64-bit (a 4.7 GiB stack's last layer read correctly on an H100:
-benchmarks/results/fp8_h100/served_0a7ae6d/pytest_gpu.log).
+products 100x off; benchmarks/README.md, "One GPU: FP8 weights and the FP8 KV cache").
+Past 4 GiB the offsets are 64-bit (a 4.7 GiB stack's last layer read correctly on an
+H100: tests/test_fp8_gemm.py::test_pallas_kernels_read_the_last_layer_of_a_stack_past_2_gib).
 """
 
 from __future__ import annotations

@@ -242,14 +242,14 @@ def run_layers(layer_fn, x, layers: LayerWeights, k_cache, v_cache, ctx: Context
     GEMMs), which made a Llama-3-8B decode step of 8 sequences 12.8 ms instead of 5.7 ms
     unrolled, whose static slices fuse (57% of the read-only weight floor; unrolled
     compiles in ~30 s at 32 layers). ``--xla_gpu_enable_dynamic_slice_fusion`` did not
-    change it (benchmarks/results/issue11_run1/, run_gpu_issue11.sh at bbf6263). The
-    caches are never sliced either way.
+    change it (measured on an H200; benchmarks/README.md, "Layer loop"). The caches are
+    never sliced either way.
     """
     num_layers = layers.attn_norm.shape[0]
     if unrolled:
         # The layer is traced and lowered once and called num_layers times (XLA inlines the
         # calls, so the program is the same): with every layer's Pallas kernels lowered apart,
-        # a 32-layer step took 5.3 s to trace and lower, 0.2 s now (benchmarks/lowering_time.py).
+        # a 32-layer step took 5.3 s to trace and lower, 0.2 s now (benchmarks/README.md, "CPU").
         # Where a kernel reads its layer out of the stack, FP8 weights stay stacked, bound to
         # the layer's index: a custom call's operand sliced by XLA is copied first.
         in_place = ctx.fp8_reads_stacked_layers

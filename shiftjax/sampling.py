@@ -66,7 +66,8 @@ def sample(
     if min_p is None:
         min_p = jnp.zeros_like(temperature)
     # The filters sort the vocabulary (0.3 ms a step at 8 sequences, 1.1 ms at 64, 128k
-    # vocabulary, H200: benchmarks/results/issue11_run1/); an all-greedy batch skips them.
+    # vocabulary, measured on an H200; benchmarks/README.md, "Sampling outside the step");
+    # an all-greedy batch skips them.
 
     def draw():
         safe_temperature = jnp.where(temperature > 0, temperature, 1.0)

@@ -2,8 +2,8 @@
 collectives (NCCL) on the same GPUs: the all-reduce's sums and the all-to-all's blocks the
 same bit for bit, on both mesh orientations, at a decode step's and a prefill step's sizes,
 call after call (the kernels alternate two receive slots and count their calls on the
-device, one count for both). Run on 2x H200 by
-``benchmarks/run_gpu_x2.sh`` (part ``tests``); skipped without two CUDA devices."""
+device, one count for both). Run with ``-m gpu`` on two GPUs (measured on 2x H200);
+skipped without two CUDA devices."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """FP8 GEMMs (kernels/fp8_gemm.py): the references and the algorithm choice on the CPU;
 the Mosaic GPU kernels (kernels/fp8_gemm_mosaic.py) against the references on an H200
-(``-m gpu``, run by benchmarks/run_fp8_gemm.sh with ``--noconftest``)."""
+(``-m gpu``, with ``--noconftest``)."""
 
 from __future__ import annotations
 
@@ -221,9 +221,9 @@ def test_triton_config_splits_k_for_few_rows():
 # outputs agree to about bf16 rounding (measured 8.2e-4 to 8.9e-4 on the H200, 8b.o):
 # ||out - ref|| / ||ref|| under 4e-3, no element off by more than 2 bf16 steps of the
 # largest output. w8a8: Hopper's FP8 wgmma adds its products with fewer bits than f32
-# (cuBLASLt's FP8 GEMM had the very same 2.404e-3 error as the kernel at 8b.o m=1024,
-# benchmarks/results/fp8_h200/gemm/fp8_gemm.json), and the error grows with k: 1e-2 and
-# 8 bf16 steps. (With the 4e-3 bound, test_w8a8_kernel_matches_reference[256-512-14336]
+# (cuBLASLt's FP8 GEMM had the very same 2.404e-3 error as the kernel at 8b.o m=1024 on the
+# H200; benchmarks/README.md, "One GPU: FP8 weights and the FP8 KV cache"), and the error
+# grows with k: 1e-2 and 8 bf16 steps. (With the 4e-3 bound, test_w8a8_kernel_matches_reference[256-512-14336]
 # failed on the H200 while the 16 tests before it and the one after passed; the run
 # stopped at its time limit there. These bounds have not been run on the device yet.)
 GPU_SHAPES = [(1024, 2048), (512, 14336)]

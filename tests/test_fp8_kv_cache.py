@@ -5,7 +5,7 @@ On the CPU: the write (reference and the Pallas kernel in interpret mode) stores
 over the dequantised cache (the reference and both Pallas kernels, decode and prefill) and
 is close to attention over the unquantised cache; a model step writes and reads the same
 FP8 cache in TP and SP mode; the page size in bytes halves. The ``gpu`` tests repeat the
-kernel checks compiled for the H200 (benchmarks/run_fp8_kv.sh).
+kernel checks compiled for the H200 (``-m gpu``).
 """
 
 from __future__ import annotations
@@ -294,7 +294,7 @@ def test_tp_and_sp_write_and_read_the_same_fp8_cache():
         assert relative_error(got, want) < 5e-2, step
 
 
-# --- on the H200 (benchmarks/run_fp8_kv.sh) ------------------------------------------------
+# --- on the H200 (-m gpu) ------------------------------------------------------------------
 
 
 @pytest.mark.gpu

@@ -1,7 +1,7 @@
 """Pallas kernels compiled for the GPU (attention, the KV-cache write), against their
 references on the same GPU.
 
-Run on the H200 by ``benchmarks/run_gpu_kernels.sh``; skipped without a CUDA device.
+Run on the H200 with ``-m gpu``; skipped without a CUDA device.
 """
 
 from __future__ import annotations

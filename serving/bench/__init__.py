@@ -17,7 +17,7 @@ gRPC health SERVING, runs the same seeded workloads, stops it with SIGTERM, and 
 ``compare.json``, ``compare.md`` and the plots::
 
     shiftjax bench compare --deployments deployments.json --workloads workloads.json \\
-        --out-dir benchmarks/results/compare_x2 --device "2x H200"
+        --out-dir compare_x2 --device "2x H200"
 
     deployments.json: {"device": "2x H200", "deployments": [
         {"name": "tp", "command": "shiftjax serve --sp 1 --tp 2 --port {port} --http-port {http_port} ..."},

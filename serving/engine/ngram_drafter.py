@@ -10,8 +10,8 @@ tokens after its latest occurrence start; an n-gram enters it only once the toke
 exists, so the suffix being looked up never finds itself. A step costs one dict update per
 ``n`` for each token that arrived and one lookup per ``n``, whatever the context's length:
 about 3 us at 1k or 8k tokens, 8 ms for the first call at 8k tokens (it indexes the
-prompt), 2.3 MB of state at 8k tokens (benchmarks/drafter_host_cost.py). The continuation of a recent match may run into the
-suffix itself (``1 2 1 2 1`` drafts ``2 1``): those tokens are taken as they stand.
+prompt), 2.3 MB of state at 8k tokens (a shared 2-core CPU; benchmarks/README.md, "CPU").
+The continuation of a recent match may run into the suffix itself (``1 2 1 2 1`` drafts ``2 1``): those tokens are taken as they stand.
 """
 
 from __future__ import annotations

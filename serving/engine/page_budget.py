@@ -68,9 +68,8 @@ def size_pool(*, num_pages: int | None, kv_memory_fraction: float | None, fallba
     The limit is the JAX allocator's (``bytes_limit``: 75% of the GPU's memory unless JAX is
     told otherwise), or under the VMM allocator that share of the GPU's memory less all that
     the driver says is taken. On a 2-GPU mesh with Llama-3.1-8B's shape unrolled, the default ran
-    out of memory allocating the cache (benchmarks/results/x2_run1/engine.log): the
-    temporaries estimate can fall short there; give ``--kv-memory-fraction`` or
-    ``--num-pages`` until it is measured.
+    out of memory allocating the cache (seen on two H200s): the temporaries estimate can fall
+    short there; give ``--kv-memory-fraction`` or ``--num-pages`` until it is measured.
 
     ``unreachable``: page counts the GPU kernels cannot address (an FP8 cache of 2 to 4 GiB
     a device, ``CacheGeometry.triton_unreachable_pages``). A pool sized into that range

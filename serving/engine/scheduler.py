@@ -247,7 +247,8 @@ class Scheduler:
                ) -> ScheduledStep:
         """The step's host batch. Per request only Python scalars and lists are gathered;
         the arrays are filled with a few whole-array operations (per-request numpy work cost
-        ~8 us a request: 0.57 ms for 64 decoding sequences, benchmarks/scheduler_host.py)."""
+        ~8 us a request: 0.57 ms for 64 decoding sequences, on a 2-core CPU;
+        benchmarks/README.md, "CPU")."""
         page_size = self.config.page_size
         # A request with pending tokens decodes the latest; the device takes them from one result.
         sources = {request.pending_source[0] for request, _ in chunks if request.num_pending}

@@ -21,9 +21,8 @@ probability 1, not 1/2). And a match is at most as long as leaves the chain room
 that repeats, the longest match would otherwise sit at depth ``max_depth - 1`` and draft a
 single token.
 
-Costs (benchmarks/drafter_host_cost.py; results/drafter_host_cost_cpu.json, a shared 2-core
-CPU). A token that arrives extends the up to ``max_depth`` suffixes that end at it; every
-node keeps its most frequent child, so a chain step is one lookup: at depth 24 a step's
+Costs (measured on a shared 2-core CPU; benchmarks/README.md, "CPU"). A token that
+arrives extends the up to ``max_depth`` suffixes that end at it; every node keeps its most frequent child, so a chain step is one lookup: at depth 24 a step's
 ``propose`` takes about 25 us (median) at 1k or 8k tokens. Building a request's trie from
 its prompt costs ``len * max_depth`` node updates on its first call (about 100 ms at 8k
 tokens), and learning an output into the global trie as much, and forgetting the one it

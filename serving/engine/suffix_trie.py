@@ -9,7 +9,7 @@ only grows; :class:`OutputsTrie` holds finished outputs and also forgets them.
 Why flat arrays and dicts of ints, not an object a node: the garbage collector walks every
 object that can hold references, and with an object a node a global trie of 1.5M nodes
 made a full collection take 0.5 s and learning a 1k-token output 67 ms instead of 10
-(benchmarks/drafter_host_cost.py, CPU). Arrays and dicts of ints are never walked. The
+(a shared 2-core CPU; benchmarks/README.md, "CPU"). Arrays and dicts of ints are never walked. The
 children's dict is split by parent into shards, so that rebuilding one (as a dict does when
 it grows, or after many deletions) stalls a step for milliseconds, not seconds.
 """

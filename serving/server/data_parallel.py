@@ -38,9 +38,9 @@ no inter-process hop for every streamed delta, and the router sees each delta as
 passes, so its token counts cost nothing to keep. The risk is the GIL: every engine's
 host work (schedule, pad, place the batch, dispatch, unpack, detokenize) runs in one
 interpreter; only XLA's execution and the wait for a step's result release it. Measured
-with ``benchmarks/dp_host_time.py`` (results in ``benchmarks/results/dp_host_time/``; 2026-11-29, this 2-core CPU shared with other
-work, load average about 15; each replica its own virtual CPU device; 8 requests of 24
-prompt and 48 output tokens per replica):
+on 2026-11-29 (benchmarks/README.md, "CPU"; this 2-core CPU shared with other work, load
+average about 15; each replica its own virtual CPU device; 8 requests of 24 prompt and 48
+output tokens per replica):
 
 - The default model, steps device-bound: host time per step 1.16 ms at P=1, 1.33 ms at
   P=4 in threads (1.05 ms at P=4 in processes), against 361 ms (P=1) to 2.1 s (P=4) of
