@@ -33,7 +33,7 @@ demo: $(VENV)/.base
 # machine the suite took 27.9 min so against 40.0 min in one process, which spends much of
 # its time waiting on the servers and subprocesses it starts.
 test: $(VENV)/.dev
-	$(PY) -m pytest -q -m "not gpu" -n 2 --dist loadfile
+	$(VENV)/bin/pytest -q -m "not gpu" -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

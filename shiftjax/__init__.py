@@ -5,6 +5,15 @@ This module stays light: subpackage imports run it first. ``shiftjax.LLM`` and
 """
 
 import importlib
+import pathlib
+
+# The repository keeps kernels/, layouts/, checkpoints/ and serving/ beside this folder, and
+# pyproject.toml's package-dir installs them as shiftjax.kernels, ... From a checkout that is
+# not installed (a GPU machine the tree was copied to, run with the root on sys.path), the
+# root joins this package's search path so that the same names resolve to the same folders.
+_checkout = pathlib.Path(__file__).resolve().parent.parent
+if (_checkout / "pyproject.toml").is_file() and (_checkout / "kernels" / "__init__.py").is_file():
+    __path__.append(str(_checkout))
 
 _LAZY = {
     "LLM": "shiftjax.serving.engine.llm",
