@@ -50,16 +50,9 @@ class HeadLayout:
         return self.sp * self.tp
 
     @property
-    def padded_heads(self) -> int:
-        return self.num_blocks * self.q_per_block
-
-    @property
     def kv_slots(self) -> int:
         """Global number of KV-cache slots (the cache's head axis)."""
         return self.num_blocks * self.kv_per_block
-
-    def block_of_device(self, s: int, t: int) -> int:
-        return t * self.sp + s
 
 
 def head_layout(n_heads: int, n_kv_heads: int, sp: int, tp: int) -> HeadLayout:

@@ -26,7 +26,6 @@ from shiftjax.kernels import triton_offsets
 from shiftjax.layouts.specs import CACHE_SPEC
 from shiftjax.pytrees import unchecked_init
 
-SCRATCH_PAGE = 0
 CACHE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
 CACHE_DTYPE_ALIASES = {"fp8": "float8_e4m3fn"}  # as vLLM's --kv-cache-dtype spells it
 

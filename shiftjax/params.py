@@ -9,7 +9,6 @@ half of each head's dimensions pairs with the second half).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
@@ -108,7 +107,3 @@ def random_params(config: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: 
             value = scale * rng.standard_normal(shape)
         flat[path] = jnp.asarray(value, dtype=dtype)
     return params_from_flat(flat)
-
-
-def cast_params(params: Params, dtype) -> Params:
-    return jax.tree.map(lambda x: x.astype(dtype), params)

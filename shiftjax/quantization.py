@@ -29,7 +29,6 @@ from shiftjax.kernels.fp8_gemm import FP8, FP8_MAX
 from shiftjax.pytrees import unchecked_init
 
 QUANTIZATIONS = ("none", "fp8")
-QUANTIZED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")  # the layer GEMMs; the rest stays bf16
 
 
 @unchecked_init

@@ -60,10 +60,6 @@ class PageAllocator:
         """Pages whose K/V a block hash names (referenced or not)."""
         return len(self._hash_of_page)
 
-    @property
-    def utilisation(self) -> float:
-        return 1.0 - self.num_free / (self.num_pages - 1)
-
     def allocate(self, count: int) -> list[int]:
         """``count`` pages, each with one reference, none of them named by a hash."""
         if count > self.num_free:
