@@ -1,6 +1,6 @@
-"""Ragged paged attention on the GPU (issue 4, "Benchmark"): decode, prefill and mixed.
+"""Ragged paged attention on the GPU: decode, prefill and mixed.
 
-    python3 benchmarks/attention_bench.py            # on the H200 (run_gpu_kernels.sh)
+    python3 benchmarks/attention_bench.py            # on a GPU (run_gpu.sh kernels)
     python3 benchmarks/attention_bench.py --smoke    # tiny shapes, interpret mode, any machine
 
 Every kernel call is timed inside one jitted ``lax.scan`` over ``--layers`` layers of a

@@ -1,4 +1,4 @@
-"""Issue 8, target 2: where one TP decode step's device time goes, kernel by kernel (one GPU).
+"""Where one TP decode step's device time goes, kernel by kernel (one GPU).
 
 Two sections, one process:
 
@@ -18,9 +18,9 @@ Two sections, one process:
 ``--shape``: ``llama8b`` (Llama-3.1-8B, all 32 layers) or ``tp2_shard`` (one GPU's share of
 the same model in TP mode over two: half the heads, half the MLP, the whole vocabulary; no
 collectives). ``--tp``: GPUs the anatomy's TP mesh spans (default 1; ``--shape llama8b --tp
-2`` is issue 8's two-GPU step, collectives included; the table is the first GPU's).
+2`` is the two-GPU step, collectives included; the table is the first GPU's).
 
-    python3 -P benchmarks/decode_anatomy.py --shape tp2_shard --out $OUT/anatomy   # on the GPU
+    bash benchmarks/run_gpu.sh anatomy                                          # on one GPU
     python3 benchmarks/decode_anatomy.py --smoke --out /tmp/anatomy                 # any machine
 """
 

@@ -1,4 +1,4 @@
-"""Issue 8's engine part (``shift_x2.py --parts engine``): the engine's own decode loop,
+"""The engine part (``shift_x2.py --parts engine``): the engine's own decode loop,
 where host time shows, with the variants it compares (GEMM backends, XLA's command-buffer
 options and update modes, the in-step sampler of before) and
 ``xla_options``, which says which of those options this XLA accepts. Imported by
@@ -159,10 +159,13 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
     for module, name, label in phases:
         setattr(module, name, clock.wrap(label, originals[(module, name)]))
 
-    def one_at_a_time(engine):  # what run_step did before async scheduling
-        launched = engine.launch_step()
+    def one_at_a_time(engine):  # a step launched and finished back to back: the loop before async scheduling
+        launched = engine._launch()
         if launched is not None:
-            engine.finish_step(launched)
+            engine._finish(launched)
+
+    def pipelined(engine):
+        engine.step().result()
 
     outputs = {}
     try:
@@ -172,7 +175,7 @@ def engine_loop(smoke: bool, attention: str, variants: list[str], rounds: int = 
             for r in range(rounds):
                 for variant, loop in order if r % 2 == 0 else order[::-1]:
                     engine = engines[variant]
-                    step = engine.step if loop == "async" else functools.partial(one_at_a_time, engine)
+                    step = functools.partial(pipelined if loop == "async" else one_at_a_time, engine)
                     row = _decode_phase(engine, step, clock, seqs, prompt_len, max_tokens, decode_steps,
                                         profiled if r == 0 else 0)
                     outputs[f"{variant}:{loop}:dec{seqs}:r{r}"] = row.pop("output_ids")
@@ -265,8 +268,8 @@ def _decode_phase(engine, step, clock, seqs, prompt_len, max_tokens, decode_step
     first = [r.output_ids[:decode_steps // 2] for r in requests]  # what every loop has generated
     for r in requests:
         engine.abort(r)
-    while engine.run_step() is not None:  # the step async scheduling left in flight
-        pass
+    while (turn := engine.step()) is not None:  # the step async scheduling left in flight
+        turn.result()
     steady = sorted(times[2:])
     row = {"wall_ms_median": steady[len(steady) // 2] * 1e3, "steps_timed": len(steady), "host_ms": host,
            "idle": idle, "sequences_decoding": seqs, "output_ids": first}

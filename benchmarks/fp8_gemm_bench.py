@@ -20,8 +20,8 @@ Correctness: each output is compared with its reference (``w8a16_matmul_referenc
 ``w8a8_matmul_reference``) by ||out - ref|| / ||ref||; above 1e-2 (bf16 rounding of both
 is about 3e-3) is wrong, and the script exits 1 at the end.
 
-    source benchmarks/gpu_env.sh && python3 -P benchmarks/fp8_gemm_bench.py --out $OUT   # H200
-    python3 -P benchmarks/fp8_gemm_bench.py --probe --out $OUT    # API and variant probe
+    bash benchmarks/run_gpu.sh kernels                                   # on one GPU
+    python3 benchmarks/fp8_gemm_bench.py --probe --out $OUT       # API and variant probe
     python benchmarks/fp8_gemm_bench.py --smoke --out DIR          # the CPU: the XLA rows on a tiny shape
 """
 

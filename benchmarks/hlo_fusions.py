@@ -78,7 +78,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("dump", type=Path, nargs="?", help="the --xla_dump_to folder")
     parser.add_argument("--kernels", default="", help="profiled kernel names, comma-separated")
-    parser.add_argument("--anatomy", type=Path, help="and the top kernels of this fp8_served_anatomy.py result")
+    parser.add_argument("--anatomy", type=Path, help="and the top kernels of this served_anatomy.py result")
     parser.add_argument("--part", default="decode", choices=("decode", "ttft"))
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--module", default="", help="only modules whose file name contains this")

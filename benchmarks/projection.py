@@ -1,5 +1,5 @@
 """Projected step times of TP, SP, Shift and DP on 8x H200 for the Llama-3-70B shape (bf16),
-and the paper's workloads replayed through the real scheduler with them (issue 9, item 6).
+and the paper's workloads replayed through the real scheduler with them.
 
 Every number this prints for 8 GPUs is a **projection**, not a measurement. The model:
 

@@ -1,4 +1,4 @@
-"""Does the simulated replay reproduce what the servers measured? (issue 9, item 6)
+"""Does the simulated replay reproduce what the servers measured?
 
 The projection (``projection.py``) has two halves: a step-time model, checked step by step
 against the 2-GPU measurements (README.md, "The 8-GPU projection"), and a replay of workloads through the

@@ -1,4 +1,4 @@
-"""Peak device memory while loading weights (issue 8, target 6), on the GPUs of one host.
+"""Peak device memory while loading weights, on the GPUs of one host.
 
 Phases, each in a fresh process so that ``peak_bytes_in_use`` counts that phase alone:
 
@@ -13,8 +13,7 @@ Phases, each in a fresh process so that ``peak_bytes_in_use`` counts that phase 
 4. ``dummy70b``: ``--load-format dummy`` of the 70B shape at tp = 2 (bf16, 70.6 GB per
    device), its peak, and one TP-mode step's logits finite.
 
-Run on ``nvidia-h200-x2``:
-``source benchmarks/gpu_env.sh && python3 -P benchmarks/restore_gpu.py --out $OUT``
+Run on two GPUs: ``bash benchmarks/run_gpu.sh restore``
 (writes ``$OUT/restore_gpu.json``; about 16 GB of disk under ``--workdir``, default /tmp).
 ``--smoke`` runs every phase on 8 virtual CPU devices with tiny configs (no memory stats
 there: those fields are null).

@@ -1,7 +1,7 @@
 """Hardware limits measured in the same run as a benchmark, so ratios are honest.
 
 Three ceilings, each the best of several tries (a single reading has varied from 2.94 to
-3.84 TB/s for the copy on the same H200 model, issue 11):
+3.84 TB/s for the copy on the same H200 model):
 
 - ``copy_bandwidth``: a device-to-device copy, bytes read + bytes written per second;
 - ``read_bandwidth``: a read-only stream (a reduction of a multi-GB bf16 array to a scalar

@@ -1,19 +1,19 @@
-"""Issue 28 served: ``shiftjax serve`` with FP8 weights against bf16 on dummy weights of a
-Llama shape, over gRPC: TPOT at 1 and at 64 concurrent requests (1,024 prompt tokens, 128
+"""Served TPOT and TTFT, and a tree against an earlier one: ``shiftjax serve`` with bf16 or
+FP8 weights on dummy weights of a Llama shape, over gRPC: TPOT at 1 and at 64 concurrent requests (1,024 prompt tokens, 128
 out, EOS ignored), the TTFT of a 4,096-token prompt, the KV-cache size the server chose,
 and the read-only stream rate measured in the same run (a subprocess, before any server)
 for each deployment's weight floor (weight bytes / stream rate).
 
-    python3 -P benchmarks/fp8_served.py --deployments bf16,fp8 --out DIR        # the H200
-    python3 -P benchmarks/fp8_served.py --deployments fp8_70b --out DIR
-    python benchmarks/fp8_served.py --smoke --out DIR                              # the CPU
-    python3 -P benchmarks/fp8_served.py --deployments bf16,fp8@before,fp8 --before-path SHIM --out DIR
+    bash benchmarks/run_gpu.sh served                       # one GPU: bf16 and fp8
+    BEFORE=before_tree bash benchmarks/run_gpu.sh before_after
+    python benchmarks/served.py --smoke --out DIR           # the CPU
 
-A deployment ``NAME@before`` is NAME served by an earlier tree: ``--before-path`` goes first
-on the server's PYTHONPATH (a folder whose ``shiftjax`` package is that tree's, as
-benchmarks/run_fp8_served.sh makes it from ``BEFORE``), so one call compares the trees.
+A deployment ``NAME@before`` is NAME served by an earlier tree: ``--before-path`` (that tree's
+root, a tree from 5835ffb on, which imports from its root; benchmarks/run_gpu.sh links it from
+``BEFORE``) goes first on the server's PYTHONPATH, so one call compares the trees. The servers
+run as ``python -P``: PYTHONPATH alone picks the tree, not the working directory.
 
-Writes ``fp8_served.json`` (one entry per deployment, with each ratio to bf16 where the
+Writes ``served.json`` (one entry per deployment, with each ratio to bf16 where the
 bf16 deployment ran in the same call).
 """
 
@@ -187,7 +187,7 @@ def main():
             result["deployments"][name] = entry
         finally:
             server.stop()
-        (args.out / "fp8_served.json").write_text(json.dumps(result, indent=1))
+        (args.out / "served.json").write_text(json.dumps(result, indent=1))
     for name, entry in result["deployments"].items():
         # each against bf16 under the same allocator
         base = result["deployments"].get("bf16_c1" if "_c1" in name else "bf16_vmm" if name.endswith("_vmm") else "bf16")
@@ -200,7 +200,7 @@ def main():
             for key in ("tpot_ms_p50", "ttft_ms_min", "ttft_ms_p50"):
                 if run.get(key) and other.get(key):
                     run[f"{key}_over_bf16"] = round(run[key] / other[key], 3)
-    (args.out / "fp8_served.json").write_text(json.dumps(result, indent=1))
+    (args.out / "served.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
-"""Issue 28: where the served engine's time goes with FP8 weights and with bf16, kernel by
-kernel, for the two loads of ``fp8_served.py`` that missed their targets: the TTFT of a
-4,096-token prompt and decode at one sequence.
+"""Where the served engine's time goes with bf16 or FP8 weights, kernel by kernel, for the
+two loads of ``served.py`` that matter most: the TTFT of a 4,096-token prompt (prefill) and
+decode at one sequence.
 
 The engine is built in this process exactly as ``shiftjax serve`` builds it, from the same
-arguments (``fp8_served.SERVE_8B``, dummy weights of the Llama-3.1-8B shape), and driven
+arguments (``served.SERVE_8B``, dummy weights of the Llama-3.1-8B shape), and driven
 through :class:`~shiftjax.serving.engine.llm.LLM` (no gRPC: its cost is the same for both
 weights). Per deployment:
 
@@ -15,8 +15,8 @@ weights). Per deployment:
 - ``decode``: one sequence of a 1,024-token prompt decoding; ``--decode-steps`` engine steps
   timed by wall clock, the last ``--profiled`` of them profiled the same way.
 
-    python3 -P benchmarks/fp8_served_anatomy.py --quantization fp8 --out DIR    # the H200
-    python benchmarks/fp8_served_anatomy.py --smoke --quantization fp8 --out DIR  # the CPU
+    bash benchmarks/run_gpu.sh anatomy                                        # one GPU, bf16 and fp8
+    python benchmarks/served_anatomy.py --smoke --quantization fp8 --out DIR  # the CPU
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run with -P too
-from fp8_served import CONFIGS, SERVE_8B, prompts_of  # noqa: E402
+from served import CONFIGS, SERVE_8B, prompts_of  # noqa: E402
 from roofline import device_idle  # noqa: E402
 
 
@@ -136,24 +136,28 @@ def main():
     engine = llm.engine
     request = engine.add_request(prompts_of(1, decode_prompt, 1024, 49152)[0],
                                  SamplingParams(max_tokens=args.decode_steps + 16, ignore_eos=True))
+
+    def step():  # one turn of the engine's pipeline; a failed step fails the benchmark
+        engine.step().result()
+
     while not request.output_ids:
-        engine.step()
+        step()
     steps, spans = [], []
     for _ in range(args.decode_steps - args.profiled):
         begin = time.perf_counter()
-        engine.step()
+        step()
         end = time.perf_counter()
         steps.append(end - begin)
         spans.append(host_spans(calls, begin, end))
     steady = steps[2:]
-    decode = device_summary(engine.step, args.profiled, runs, args.top)
+    decode = device_summary(step, args.profiled, runs, args.top)
     result["decode"] = {"prompt_tokens": decode_prompt, "step_wall_ms_median": round(1e3 * statistics.median(steady), 3),
                         "host_spans_median": {k: round(statistics.median(s[k] for s in spans[2:] if s), 3)
                                               for k in spans[-1]},
                         "profiled_steps": args.profiled, **decode}
     engine.abort(request)
-    while engine.run_step() is not None:
-        pass
+    while (turn := engine.step()) is not None:
+        turn.result()
     print("decode", json.dumps({k: v for k, v in result["decode"].items() if k != "devices"}), flush=True)
     (args.out / f"anatomy_{args.quantization}{args.label}.json").write_text(json.dumps(result, indent=1))
 

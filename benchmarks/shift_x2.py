@@ -1,7 +1,7 @@
-"""Issue 8 on two GPUs, in one device call: ceilings, correctness, and every row of the
+"""Shift Parallelism on two GPUs, in one run: ceilings, correctness, and every row of the
 "before" table (TP decode vs the weight floor, SP vs DP, SP vs TP, host gaps).
 
-    bash benchmarks/run_gpu_x2.sh            # on nvidia-h200-x2; JSON + log under $OUT
+    bash benchmarks/run_gpu.sh x2            # on two GPUs; JSON + log under $OUT
     python benchmarks/shift_x2.py --smoke    # the same code paths, tiny, on 4 CPU devices
 
 Parts (``--parts``, comma separated): ``ceilings`` (per GPU: read-only stream = a large
@@ -491,7 +491,7 @@ def _option_variants(smoke, attention, profile, mesh, weights, shapes, variants,
 
 def collectives(smoke: bool) -> dict:
     """Seconds of one all-reduce (``psum``) and one all-to-all over both devices against
-    message size (bytes per device), the inputs of the 8-GPU projection (issue 9): each
+    message size (bytes per device), the inputs of the 8-GPU projection (projection.py): each
     collective chained ``repeats`` times inside one jit so launch cost is amortised as in a step."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P

@@ -1,5 +1,5 @@
 """Start-up time of an engine: cold, with JAX's compilation cache only, and with the
-executable store (issue 8, target 5).
+executable store.
 
 Each start is a fresh process that builds ``shiftjax.LLM`` with the given options against
 one cache directory: **cold** (the directory empty), **compilation cache** (the XLA cache

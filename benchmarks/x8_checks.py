@@ -1,7 +1,7 @@
-"""Issue 10, steps 1 and 2, on every device of the host (N = 8 on nvidia-h200-x8): the
+"""On every device of the host (N = 8 on an 8-GPU host): the
 checks that must pass before the 8-GPU performance numbers mean anything.
 
-    bash benchmarks/run_x8.sh                          # on nvidia-h200-x8: this, then the compares
+    bash benchmarks/run_gpu.sh x8                      # on 8 GPUs: this, then the compares
     python benchmarks/x8_checks.py --dry-run --out D   # 8 virtual CPU devices, the real default model
 
 Parts (``--parts``, comma separated):
