@@ -5,8 +5,8 @@ Start-up order: the gRPC port opens first with health ``NOT_SERVING`` (so orches
 see a live process while executables compile), the service is built on a thread, then
 health turns ``SERVING`` and the HTTP and metrics ports open. SIGTERM or SIGINT drains
 (:func:`_drain`): the ports keep listening, health says ``NOT_SERVING`` (HTTP: 503 with
-``Retry-After``), new requests are refused, running ones are given ``--grace-seconds`` and
-then end with an abort finish reason; then exit 0.
+``Retry-After``), new requests are refused, running ones are given ``--grace-seconds`` (a
+second signal ends the grace at once) and then end with an abort finish reason; then exit 0.
 
 What a client may send is bounded, so that one hostile client cannot stall the others:
 ``--max-request-bytes`` for an HTTP body and a gRPC message alike, ``--read-timeout`` for
@@ -57,7 +57,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--api-key-file", type=Path, default=None,
                        help="a file holding the bearer token both front ends require")
     group.add_argument("--grace-seconds", type=float, default=30.0,
-                       help="on SIGTERM/SIGINT, how long running requests may take to finish")
+                       help="on SIGTERM/SIGINT, how long running requests may take to finish "
+                            "(a second signal ends the wait)")
     group.add_argument("--served-model-name", default=None, help="the model name both front ends report")
     group.add_argument("--gpu-allocator", choices=GPU_ALLOCATORS, default="default",
                        help="JAX's GPU memory allocator: default (BFC), or vmm, under which XLA stopped "
@@ -131,9 +132,13 @@ async def _serve(args, tls, api_key) -> int:
     from shiftjax.serving.server.validation import DEFAULT_MAX_REQUEST_BYTES
 
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
+    stop, stop_now = asyncio.Event(), asyncio.Event()  # the first signal drains, a second ends the grace
+
+    def on_signal() -> None:
+        (stop_now if stop.is_set() else stop).set()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, on_signal)
 
     max_request_bytes = args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES
     pool = TokenizePool(workers=args.tokenize_workers)  # both front ends' parsing and tokenizing
@@ -190,7 +195,7 @@ async def _serve(args, tls, api_key) -> int:
     log.info("serving gRPC on %s (shiftjax.v1.InferenceService, health, reflection)", grpc_server.address)
     await stop.wait()
 
-    await _drain(service, grpc_server, http_server, args.grace_seconds)
+    await _drain(service, grpc_server, http_server, args.grace_seconds, stop_now)
     if http_task is not None:
         await asyncio.gather(http_task, return_exceptions=True)
     if metrics_server is not None:
@@ -206,16 +211,17 @@ async def _serve(args, tls, api_key) -> int:
 ABORT_DELIVERY_SECONDS = 15.0
 
 
-async def _drain(service, grpc_server, http_server, grace_seconds: float) -> None:
+async def _drain(service, grpc_server, http_server, grace_seconds: float, stop_now: asyncio.Event) -> None:
     """SIGTERM's drain, which clients can see: both ports keep listening, health answers
     NOT_SERVING (gRPC) and 503 with Retry-After (HTTP), new requests UNAVAILABLE / 503;
-    running requests get ``grace_seconds``; then the service aborts the rest, so every
-    stream ends with an abort finish (``finish_reason: "abort"`` and ``[DONE]`` on SSE,
-    ``FINISH_REASON_ABORT`` on gRPC) rather than a cut connection; only then do the ports
-    close."""
-    log.info("draining: health NOT_SERVING, new requests refused, %.0f s for running ones", grace_seconds)
+    running requests get ``grace_seconds``, which a second SIGTERM or SIGINT ends at once;
+    then the service aborts the rest, so every stream ends with an abort finish
+    (``finish_reason: "abort"`` and ``[DONE]`` on SSE, ``FINISH_REASON_ABORT`` on gRPC)
+    rather than a cut connection; only then do the ports close."""
+    log.info("draining: health NOT_SERVING, new requests refused, %.0f s for running ones "
+             "(a second signal ends the grace)", grace_seconds)
     await grpc_server.begin_drain()
-    aborted = await service.drain(grace_seconds)  # the service's draining flag turns HTTP /health 503
+    aborted = await _grace(service, grace_seconds, stop_now)  # the service's draining flag turns HTTP /health 503
     if aborted:
         log.warning("%d requests were still running after the grace period; their streams end with an abort",
                     aborted)
@@ -230,6 +236,20 @@ async def _drain(service, grpc_server, http_server, grace_seconds: float) -> Non
         http_server.config.timeout_graceful_shutdown = 1
         http_server.should_exit = True
     await grpc_server.server.stop(0.5)
+
+
+async def _grace(service, grace_seconds: float, stop_now: asyncio.Event) -> int:
+    """The service's drain, cut short by ``stop_now``: then it aborts at once what still
+    runs. Returns how many requests were aborted."""
+    draining = asyncio.ensure_future(service.drain(grace_seconds))
+    second = asyncio.ensure_future(stop_now.wait())
+    await asyncio.wait([draining, second], return_when=asyncio.FIRST_COMPLETED)
+    second.cancel()
+    if draining.done():
+        return draining.result()
+    draining.cancel()  # it was only waiting: nothing aborted yet
+    log.info("a second signal: the grace ends now")
+    return await service.drain(0)
 
 
 def _http_requests(http_server) -> int:
