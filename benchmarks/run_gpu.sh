@@ -40,6 +40,7 @@ SMOKE="${SMOKE:-0}"
 if [ "$SMOKE" = 1 ]; then export JAX_PLATFORMS=cpu PY="${PY:-.venv/bin/python}"; fi
 if [ "${1:-}" = wheels ]; then  # before gpu_env.sh: this runs on the machine with network
   cd "$HERE/.." && rm -rf .whl
+  grep -qx "/.whl/" .git/info/exclude 2>/dev/null || echo "/.whl/" >> .git/info/exclude  # not a file of the tree
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .whl grpcio==1.85.3 protobuf==7.36.2 grpcio-health-checking==1.85.1 \
@@ -51,7 +52,7 @@ if [ "${PRE:-0}" = 1 ]; then  # the wheels of the part "wheels", copied along wi
     "$HERE"/../.whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 source "$HERE/gpu_env.sh"
-export NCCL_NVLS_ENABLE=0  # NVLink multicast off: it needs a fabric manager not every host has
+export NCCL_NVLS_ENABLE=0  # NVLink multicast (NVLS) off, as in every figure of benchmarks/README.md
 S=""; [ "$SMOKE" = 1 ] && S="--smoke"
 
 # step NAME SECONDS CMD...: CMD under min(SECONDS, STEP_TIMEOUT), its output in $OUT/NAME.log,
