@@ -23,7 +23,8 @@
 #                 git archive <commit> pyproject.toml shiftjax kernels layouts serving checkpoints
 #                 | tar -x -C DIR; a tree from 5835ffb on, which imports from its root)
 #   compare       shiftjax bench compare of configs/compare/${PREFIX}_*.json, one deployment
-#                 per step (STEPS: WORKLOADS:DEPLOYMENT, WORKLOADS one of all, load, trace),
+#                 per step (STEPS: WORKLOADS:DEPLOYMENT, WORKLOADS one of all, load, trace;
+#                 default every deployment on all),
 #                 merged at the end; a deployment whose PYTHONPATH names /tmp/shiftjax_before
 #                 serves BEFORE's tree (h200_before_after)
 #   x2            shift_x2.py (X2_PARTS, X2_ARGS) and startup.py (STARTUP_PAGES, STARTUP_GEMM): two GPUs
@@ -144,7 +145,9 @@ part_before_after() {
 
 part_compare() {
   local prefix="${PREFIX:?PREFIX names configs/compare/PREFIX_deployments.json and PREFIX_workloads.json}"
-  local steps="${STEPS:?STEPS lists WORKLOADS:DEPLOYMENT steps, e.g. all:tp all:shift}"
+  local steps="${STEPS:-}"  # default: every deployment of the file on all its workloads, in its order
+  [ -n "$steps" ] || steps=$("$PY" -c 'import json, sys; print(" ".join("all:" + d["name"] for d in json.load(open(sys.argv[1]))["deployments"]))' \
+    "benchmarks/configs/compare/${prefix}_deployments.json")
   [ -n "${BEFORE:-}" ] && before_tree
   local work="$OUT/compare_$prefix"; mkdir -p "$work"
   # the workloads file split three ways: all, load (no trace), trace
