@@ -103,7 +103,7 @@ def test_run_gpu_anatomy(tmp_path):
     """The part anatomy: the engine's decode step found and its HLO read back; the served
     engine's prompt as one 64-token step and decode in 16-token ones; a dumped fusion read back."""
     out = tmp_path / "out"
-    run_gpu(out, "anatomy", QUANTIZATIONS="fp8")
+    run_gpu(out, "anatomy", QUANTIZATIONS="fp8", SHAPE="tp2_shard")  # the one-GPU share of the TP-2 step
     data = json.loads((out / "decode_anatomy" / "decode_anatomy.json").read_text())
     decode = data["anatomy::"]["decode8"]
     assert decode["executable"] == ["tp", 16, 8] and decode["hlo_instructions_from_model"] > 0, decode
