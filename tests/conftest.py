@@ -17,6 +17,15 @@ import jax  # noqa: E402
 jax.config.update("jax_enable_x64", False)
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# One persistent compilation cache for the whole run: the in-process engines of every test
+# file and worker, and the servers the tests start (`shiftjax serve` defaults to the same
+# folder), so that an executable compiled once in the run is loaded, not compiled, after.
+from shiftjax.serving.engine.engine_args import default_compilation_cache_dir  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", str(default_compilation_cache_dir()))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 
 try:  # the transformers oracle: one thread is ~15x faster than two on this 2-core machine
     import torch
