@@ -139,8 +139,7 @@ def test_auto_with_a_threshold_runs_sp_from_the_threshold_up(engines, tp_outputs
     assert not engine.executables.run_seconds  # a threshold needs no timing
     requests = [engine.add_request(p, GREEDY) for p in PROMPTS]
     reports = []
-    while not all(r.finished for r in requests):
-        reports.append(engine.run_step())
+    engine.run_until_done(requests, on_step=reports.append)
     assert [r.output_ids for r in requests] == tp_outputs
     assert [report.mode for report in reports] == ["sp" if report.bucket[0] >= 16 else "tp" for report in reports]
     assert {report.mode for report in reports} == {"tp", "sp"}
@@ -268,7 +267,7 @@ def test_a_step_that_fails_on_the_devices_is_recomputed_not_lost(engines, tp_out
     engine = engines(mode="tp")
     requests = [engine.add_request(p, GREEDY) for p in PROMPTS]
     for _ in range(3):
-        engine.run_step()
+        engine.step().result()
     fetch, failures = transfers.packed_to_host, []
 
     def fails_once(host_copy):
@@ -279,7 +278,7 @@ def test_a_step_that_fails_on_the_devices_is_recomputed_not_lost(engines, tp_out
 
     monkeypatch.setattr(transfers, "packed_to_host", fails_once)
     with pytest.raises(raised):
-        engine.run_step()
+        engine.step().result()
     engine.run_until_done(requests)
     assert [r.output_ids for r in requests] == tp_outputs
     assert all(r.preemptions >= 1 for r in requests)
@@ -296,14 +295,14 @@ def test_a_failed_launch_is_reported_with_the_step_its_turn_finished(engines, tp
     engine = engines(mode="tp", async_scheduling=async_scheduling)
     requests = [engine.add_request(p, GREEDY) for p in PROMPTS]
     for _ in range(3):
-        engine.run_step()
+        engine.step().result()
     real_get = engine.executables.get
 
     def fails(*key):
         raise RuntimeError("an injected launch failure")
 
     monkeypatch.setattr(engine.executables, "get", fails)
-    turn = engine.advance()
+    turn = engine.step()
     monkeypatch.setattr(engine.executables, "get", real_get)
     [failure] = turn.failed
     assert turn.finished is not None and turn.finished.requests  # the step in flight, committed
@@ -318,7 +317,7 @@ def test_forget_in_flight_recomputes_what_was_in_flight(engines, tp_outputs):
     engine = engines(mode="tp")
     requests = [engine.add_request(p, GREEDY) for p in PROMPTS]
     for _ in range(4):
-        engine.run_step()
+        engine.step().result()
     assert engine.has_step_in_flight
     engine.forget_in_flight()
     assert not engine.has_step_in_flight

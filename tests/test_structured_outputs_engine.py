@@ -195,12 +195,12 @@ def test_a_deferred_sampling_that_fails_recomputes_its_requests(params, expected
     requests = [engine.add_request(p, params_for(c)) for p, c in zip(prompts(), CONSTRAINTS)]
     failures = []
     while not all(r.finished for r in requests):
-        turn = engine.advance()
+        turn = engine.step()
         failures += turn.failed
     assert len(failures) == 2 and all(isinstance(f.__cause__, RuntimeError) for f in failures)
     assert [(r.output_ids, r.finish_reason) for r in requests] == expected
     while engine.has_work:
-        engine.advance()
+        engine.step()
     monkeypatch.setattr(engine.runner, "sample_deferred",
                         lambda launched, bitmask: failing(launched, bitmask, KeyboardInterrupt()))
     calls.clear()
@@ -208,10 +208,10 @@ def test_a_deferred_sampling_that_fails_recomputes_its_requests(params, expected
     requests = [engine.add_request(p, params_for(c)) for p, c in zip(prompts(), CONSTRAINTS)]
     with pytest.raises(KeyboardInterrupt):
         while True:
-            engine.advance()
+            engine.step()
     assert engine.runner.last_launched is None or engine.runner.last_launched.sampled
     while not all(r.finished for r in requests):  # usable after the interrupt
-        engine.advance()
+        engine.step()
     assert [(r.output_ids, r.finish_reason) for r in requests] == expected
 
 

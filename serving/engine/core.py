@@ -2,19 +2,19 @@
 
 The engine holds a scheduler (what runs), a shift policy (in which mode) and a step runner
 (the devices' state: weights, caches, executables, samplers; ``runner.py``); the start-up
-phases that make them are ``builder.py``. ``Engine.step()`` schedules a batch, lets the
-policy pick the mode for its bucket, has the runner pad, place and dispatch it with the
-caches donated (the step packs greedy tokens; the samplers run only for a batch with a row
-that samples or asks for alternatives), and commits the one small result array to the
-requests.
+phases that make them are ``builder.py``. ``Engine.step()`` runs one turn of the step
+pipeline: it schedules a batch, picks its bucket and the policy's mode for that bucket
+(:func:`bucket_and_mode`), has the runner pad, place and dispatch it with the caches
+donated (the step packs greedy tokens; the samplers run only for a batch with a row that
+samples or asks for alternatives), and commits the one small result array to the
+requests. ``Engine.run_until_done`` loops over it for a script.
 
 With ``async_scheduling`` (the default) the host schedules and dispatches step N+1 before
 it waits for step N, so the host's share of a step (scheduling, padding, placing,
 launching, committing) overlaps the devices' work instead of adding to it; a step then
 costs about the larger of the two (benchmarks/README.md, "Two GPUs"). A request that
-samples in step N decodes in N+1 with a token
-the host has not seen: N+1's executable takes it from N's result on the devices before
-it runs the model (``token_fills.py``).
+samples in step N decodes in N+1 with a token the host has not seen: N+1's executable
+takes it from N's result on the devices before it runs the model (``token_fills.py``).
 
 Structured outputs (``grammar.py``): a constrained row's allowed tokens are a bitmask the
 sampler applies on the devices. Its mask for step N+1 needs its token of step N, which the
@@ -45,19 +45,29 @@ from collections.abc import Callable
 import numpy as np
 
 from shiftjax.serving.engine import builder
+from shiftjax.serving.engine.buckets import BucketLadder
 from shiftjax.serving.engine.config import EngineConfig
 from shiftjax.serving.engine.errors import InvalidRequest
 from shiftjax.serving.engine.grammar import CompiledGrammar, GrammarCompiler, GrammarState, MaskFiller, allow_all
+from shiftjax.serving.engine.policy import ShiftPolicy
 from shiftjax.serving.engine.prefix_cache import cache_key
 from shiftjax.serving.engine.runner import LaunchedStep
 from shiftjax.serving.engine.sampling_params import SamplingParams
-from shiftjax.serving.engine.scheduler import Request, SchedulerConfig
+from shiftjax.serving.engine.scheduler import Request, ScheduledStep, SchedulerConfig
 from shiftjax.serving.engine.speculative import DraftBackoff
 from shiftjax.serving.engine.stats import EngineSnapshot, GrammarCounters, StepCounters
 from shiftjax.step_options import StepOptions
 from shiftjax.weights import ModelWeights
 
-__all__ = ["Engine", "EngineConfig", "LaunchedStep", "PipelineTurn", "StepFailed", "StepReport"]
+__all__ = ["Engine", "EngineConfig", "LaunchedStep", "PipelineTurn", "StepFailed", "StepReport", "bucket_and_mode"]
+
+
+def bucket_and_mode(scheduled: ScheduledStep, ladder: BucketLadder, policy: ShiftPolicy) -> tuple[tuple[int, int], str]:
+    """The ``(tokens, seqs)`` bucket a scheduled step runs in (the smallest that holds its
+    tokens and its sequence rows, a drafted request's rows each counted) and the mode the
+    policy picks for it. The engine's choice, and the simulator's (``bench/simulate.py``)."""
+    bucket = ladder.pick(scheduled.num_tokens, scheduled.num_rows)
+    return bucket, policy.choose(*bucket)
 
 
 class StepFailed(RuntimeError):
@@ -70,13 +80,21 @@ class StepFailed(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class PipelineTurn:
-    """What one :meth:`Engine.advance` did: the steps it launched (two in a turn that found
+    """What one :meth:`Engine.step` did: the steps it launched (two in a turn that found
     none in flight), the step it finished (None when that step's result failed), and the
     launches or results that failed (their requests are the caller's to fail)."""
 
     launched: tuple[LaunchedStep, ...]
     finished: StepReport | None
     failed: tuple[StepFailed, ...] = ()
+
+    def result(self) -> StepReport:
+        """The step this turn finished, or the turn's first failure raised (:class:`StepFailed`,
+        naming the requests the failed step had scheduled; the caller fails them; the
+        requests of a second failure in the same turn were preempted and recompute)."""
+        if self.failed:
+            raise self.failed[0]
+        return self.finished
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,9 +141,9 @@ class Engine:
         # seconds per start-up phase, for the log and ServerInfo
         self.startup_seconds = parts.startup_seconds
         self.counters = StepCounters(self.modes)
-        self._in_flight: LaunchedStep | None = None  # launched by advance, not yet finished
+        self._in_flight: LaunchedStep | None = None  # launched by step, not yet finished
         self._last_finished = 0.0
-        self._deferred_failure: StepFailed | None = None  # a deferred sampling's, for advance to report
+        self._deferred_failure: StepFailed | None = None  # a deferred sampling's, for step to report
         self._deferred_masks: tuple[LaunchedStep, concurrent.futures.Future] | None = None
         self._draft_backoff = DraftBackoff()  # when to stop giving up async scheduling for drafts
 
@@ -220,44 +238,20 @@ class Engine:
         """Ends ``request`` now and frees its pages (before the next schedule)."""
         self.scheduler.abort(request, reason)
 
-    def step(self) -> list[Request]:
-        """Runs one step; returns the requests that finished in it."""
-        report = self.run_step()
-        return [] if report is None else report.finished
-
-    def run_step(self) -> StepReport | None:
-        """Runs one step (None when there is nothing to run) and says what it did: one turn
-        of :meth:`advance`, whose first failure it raises (:class:`StepFailed`, naming the
-        requests the failed step had scheduled; the caller fails them; the requests of a
-        second failure in the same turn were preempted and recompute). The next step, if
-        there is work, stays in flight when it returns."""
-        turn = self.advance()
-        if turn is None:
-            return None
-        if turn.failed:
-            raise turn.failed[0]
-        return turn.finished
-
-    def run_until_done(self, requests: list[Request]) -> None:
-        while not all(r.finished for r in requests):
-            if not self.scheduler.has_work:
-                raise RuntimeError("requests are unfinished but the scheduler holds none")
-            if self.run_step() is None:
-                raise RuntimeError("requests are unfinished but no step can be scheduled")
-
     @property
     def has_step_in_flight(self) -> bool:
         """Whether a step is launched and not finished (between turns, one is while there is work)."""
         return self._in_flight is not None
 
-    def advance(self) -> PipelineTurn | None:
-        """One turn of the step pipeline: finishes the step in flight (launching one first
-        if none is) and leaves the next one in flight, so that the caller's work on the
-        finished step (its deltas) overlaps the devices' work on the next. With
-        ``async_scheduling`` the next step is launched before the finished one's result is
-        read (the host schedules N+1 while the devices run N); without, after it is
-        committed (N+1 is scheduled knowing N's tokens). None when nothing is in flight and
-        nothing can be scheduled.
+    def step(self) -> PipelineTurn | None:
+        """Runs one turn of the step pipeline, the one way to run steps: finishes the step in
+        flight (launching one first if none is) and leaves the next one in flight, so that
+        the caller's work on the finished step (its deltas) overlaps the devices' work on
+        the next. With ``async_scheduling`` the next step is launched before the finished
+        one's result is read (the host schedules N+1 while the devices run N); without,
+        after it is committed (N+1 is scheduled knowing N's tokens). None when nothing is
+        in flight and nothing can be scheduled; :meth:`PipelineTurn.result` is the finished
+        step's report, or its failure raised.
 
         Failures are returned, not raised, so that a turn whose launch fails still reports
         the step it finished: a failed launch has put nothing in flight; a failed result
@@ -283,7 +277,7 @@ class Engine:
         current, self._in_flight = self._in_flight, following
         self._drafter_work(current)
         try:
-            finished = self.finish_step(current)
+            finished = self._finish(current)
         except StepFailed as failure:
             return PipelineTurn(tuple(launched), None, (*failed, failure))
         if not ahead:
@@ -292,9 +286,24 @@ class Engine:
                 self._draft_backoff.record(self._in_flight.scheduled.speculative)
         return PipelineTurn(tuple(launched), finished, tuple(failed))
 
+    def run_until_done(self, requests: list[Request], on_step: Callable[[StepReport], None] | None = None) -> None:
+        """Runs :meth:`step` until every one of ``requests`` has finished, raising a turn's
+        first failure (:meth:`PipelineTurn.result`); ``on_step`` receives each finished
+        step's report (the offline ``LLM`` makes its deltas there). The step launched last
+        may stay in flight when it returns (the next call finishes it)."""
+        while not all(r.finished for r in requests):
+            if not self.scheduler.has_work:
+                raise RuntimeError("requests are unfinished but the scheduler holds none")
+            turn = self.step()
+            if turn is None:  # nothing in flight and nothing fits: they would never finish
+                raise RuntimeError("requests are unfinished but no step can be scheduled")
+            report = turn.result()
+            if on_step is not None:
+                on_step(report)
+
     def _launch_noting(self, launched: list, failed: list) -> LaunchedStep | None:
         try:
-            step = self.launch_step()
+            step = self._launch()
         except StepFailed as failure:
             failed.append(failure)
             return None
@@ -307,8 +316,8 @@ class Engine:
         every running request goes back to the queue and recomputes."""
         self._start_over(new_caches=False)
 
-    def launch_step(self) -> LaunchedStep | None:
-        """The first half of a step (:meth:`advance`): schedules and dispatches it without
+    def _launch(self) -> LaunchedStep | None:
+        """The first half of a step (:meth:`step`): schedules and dispatches it without
         waiting for the device. It may be called once more before the step is finished
         (the next step then decodes this one's samples on the device); steps are finished
         in the order they were launched."""
@@ -318,11 +327,10 @@ class Engine:
         if scheduled is None:
             return None
         try:
-            bucket = self.executables.ladder.pick(scheduled.num_tokens, scheduled.num_rows)
-            mode = self.policy.choose(*bucket)
+            bucket, mode = bucket_and_mode(scheduled, self.executables.ladder, self.policy)
             if not scheduled.constrained:
                 return self.runner.launch(scheduled, mode, bucket, start)
-            if scheduled.masks_wait:  # sampled once the step in flight is committed (finish_step)
+            if scheduled.masks_wait:  # sampled once the step in flight is committed (_finish)
                 return self.runner.launch(scheduled, mode, bucket, start, defer_sampling=True)
             return self.runner.launch(scheduled, mode, bucket, start, bitmask=self._masks(scheduled, bucket[1]))
         except BaseException as error:  # an interrupt too: nothing may stay scheduled but unlaunched
@@ -333,7 +341,7 @@ class Engine:
                 raise
             raise StepFailed(scheduled.requests) from error
 
-    def finish_step(self, launched: LaunchedStep) -> StepReport:
+    def _finish(self, launched: LaunchedStep) -> StepReport:
         """The second half: waits for the step's result and commits it to its requests."""
         scheduled, mode = launched.scheduled, launched.mode
         self._sample_deferred()
@@ -411,7 +419,7 @@ class Engine:
     def _sample_deferred(self) -> None:
         """Launches the sampler of the step whose masks are being filled, once they are,
         before anything reads that step's result. A failure forgets that step (its requests
-        recompute) and is reported by :meth:`advance`."""
+        recompute) and is reported by :meth:`step`."""
         if self._deferred_masks is None:
             return
         following, masks = self._deferred_masks

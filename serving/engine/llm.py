@@ -12,7 +12,7 @@ import jax
 from shiftjax.checkpoints.default_model import default_model_path
 from shiftjax.checkpoints.load import load_tokenizer, load_weights, tokenizer_path_for
 from shiftjax.layouts.mesh import make_mesh
-from shiftjax.serving.engine.core import Engine, EngineConfig
+from shiftjax.serving.engine.core import Engine, EngineConfig, StepReport
 from shiftjax.serving.engine.grammar import GrammarCompiler
 from shiftjax.serving.engine.output_processor import OutputProcessor
 from shiftjax.serving.engine.sampling_params import SamplingParams
@@ -128,12 +128,8 @@ class LLM:
         output processor (which holds the finish and stop reasons)."""
         outputs = {r: OutputProcessor(self.tokenizer, r.params, stream=False) for r in requests}
         pieces: dict[Request, list[str]] = {r: [] for r in requests}
-        while not all(r.finished for r in requests):
-            if not self.engine.has_work:
-                raise RuntimeError("requests are unfinished but the scheduler holds none")
-            report = self.engine.run_step()
-            if report is None:  # nothing in flight and nothing fits: it would never finish
-                raise RuntimeError("requests are unfinished but no step can be scheduled")
+
+        def deltas(report: StepReport) -> None:
             for request, sampled in zip(report.requests, report.sampled):
                 if not sampled or request not in outputs:
                     continue
@@ -141,4 +137,6 @@ class LLM:
                 pieces[request].append(delta.text)
                 if delta.finish_reason is not None and not request.finished:  # a stop string
                     self.engine.abort(request, delta.finish_reason)
+
+        self.engine.run_until_done(requests, on_step=deltas)
         return {r: ("".join(pieces[r]), outputs[r]) for r in requests}

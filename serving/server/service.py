@@ -285,7 +285,7 @@ class AsyncEngineService:
         if not (self.engine.has_step_in_flight or self.engine.has_work):
             return
         preemptions = self.engine.snapshot().preemptions
-        turn = self.engine.advance()
+        turn = self.engine.step()
         after = self.engine.snapshot()
         for _ in range(after.preemptions - preemptions):
             self._observe("on_preemption")
