@@ -1,11 +1,12 @@
 """A workload replayed through the real scheduler and shift policy in simulated time.
 
 No model runs. Each step is scheduled by :class:`~shiftjax.serving.engine.scheduler.Scheduler`
-(token budget, decodes first, chunked prefill, pages, preemption), padded to a bucket of
-the engine's :class:`~shiftjax.serving.engine.buckets.BucketLadder`, given a mode by
-:class:`~shiftjax.serving.engine.policy.ShiftPolicy` exactly as ``Engine.run_step`` does, and
-then takes the seconds a step-time model says it takes; its sampled tokens are committed
-to their requests at the step's end. Arrivals join the waiting queue at their timestamps
+(token budget, decodes first, chunked prefill, pages, preemption), given its bucket of the
+engine's :class:`~shiftjax.serving.engine.buckets.BucketLadder` and its mode by
+:class:`~shiftjax.serving.engine.policy.ShiftPolicy` by the engine's own choice
+(:func:`~shiftjax.serving.engine.core.bucket_and_mode`), and then takes the seconds a
+step-time model says it takes; its sampled tokens are committed to their requests at the
+step's end. Arrivals join the waiting queue at their timestamps
 and are seen by the next ``schedule()``, as in the engine loop. The records are timed as
 the bench client times a streamed request (every sampled token is one chunk), so
 :func:`~shiftjax.serving.bench.metrics.summarize` gives TTFT, TPOT, ITL and throughput by
@@ -37,6 +38,7 @@ from shiftjax.serving.bench.metrics import RequestRecord, summarize
 from shiftjax.serving.bench.workloads import read_trace, window_trace
 from shiftjax.serving.server.data_parallel import RoutedLoad, pick_replica, replica_loads
 from shiftjax.serving.engine.buckets import BucketLadder
+from shiftjax.serving.engine.core import bucket_and_mode
 from shiftjax.serving.engine.policy import ShiftPolicy
 from shiftjax.serving.engine.sampling_params import SamplingParams
 from shiftjax.serving.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
@@ -167,8 +169,7 @@ def simulate(requests: Sequence[SimRequest], *, scheduler_config: SchedulerConfi
             raise RuntimeError(f"replica {replica.index} has requests but cannot schedule any step: "
                                "the page pool is too small for one request")
         seqs = len(scheduled.requests)
-        bucket = ladder.pick(scheduled.num_tokens, seqs)
-        mode = replica.policy.choose(*bucket)
+        bucket, mode = bucket_and_mode(scheduled, ladder, replica.policy)
         batch = scheduled.batch
         shape = [(int(batch.query_start[b + 1] - batch.query_start[b]), int(batch.seq_lens[b])) for b in range(seqs)]
         seconds = step_seconds(mode, bucket[0], bucket[1], shape) + host_seconds_per_step
