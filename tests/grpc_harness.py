@@ -4,7 +4,7 @@ tested without a model.
 Output token ``i`` of a prompt is ``(sum(prompt_ids) + i) % 1000 + 1000``, one token per
 step of ``step_seconds``; each live request holds its pages (prompt plus max_tokens, 16
 tokens a page) from submit until its stream ends or is closed, so a leak shows in
-``stats().free_pages``. ``fail_on_prompt`` makes a request fail mid-stream (RequestFailed).
+``stats().engine.free_pages``. ``fail_on_prompt`` makes a request fail mid-stream (RequestFailed).
 As the real service, a cancel ends the stream with an abort, even after the deadline, and
 an expired deadline raises DeadlineExceeded.
 """
@@ -12,14 +12,21 @@ an expired deadline raises DeadlineExceeded.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 
 from shiftjax.serving.engine.errors import DeadlineExceeded, InvalidRequest, Overloaded, RequestFailed, Unavailable
+from shiftjax.serving.engine.stats import EngineSnapshot
 from shiftjax.serving.server.protocol import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Delta, GenerationRequest,
                                        ServiceStats, TokenLogprob, Usage, prompt_ids_or_error)
 
 PAGE_SIZE = 16
+
+
+def with_engine(stats: ServiceStats, **fields) -> ServiceStats:
+    """``stats`` with those fields of its engine snapshot replaced."""
+    return dataclasses.replace(stats, engine=dataclasses.replace(stats.engine, **fields))
 
 
 def expected_output(prompt_ids, max_tokens: int) -> list[int]:
@@ -71,9 +78,9 @@ class FakeEngineService:
             self.free_pages += stream.pages
 
     def stats(self) -> ServiceStats:
-        return ServiceStats(running=len(self.live), waiting=0, num_pages=self.num_pages, free_pages=self.free_pages,
-                            steps=0, switches=0, preemptions=0, tokens_by_mode={"tp": 0}, steps_by_mode={"tp": 0},
-                            ready=self.ready, draining=self.draining)
+        engine = EngineSnapshot(running=len(self.live), num_pages=self.num_pages, free_pages=self.free_pages,
+                                tokens_by_mode={"tp": 0}, steps_by_mode={"tp": 0})
+        return ServiceStats(engine, ready=self.ready, draining=self.draining)
 
     def info(self) -> dict:
         """Laid out as serving/server/service_info.py lays out the real service's."""

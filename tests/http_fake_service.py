@@ -16,6 +16,7 @@ import json
 import time
 
 from shiftjax.serving.engine.errors import InvalidRequest, Overloaded, RequestFailed, Unavailable
+from shiftjax.serving.engine.stats import EngineSnapshot
 from shiftjax.serving.server.protocol import (
     FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Delta, GenerationRequest, ServiceStats, TokenLogprob,
     Usage, prompt_ids_or_error,
@@ -115,8 +116,7 @@ class FakeService:
         return ("compiled", spec)  # what the engine gets back in GenerationRequest.grammar
 
     def stats(self) -> ServiceStats:
-        return ServiceStats(running=len(self.live), waiting=0, num_pages=64, free_pages=64 - 2 * len(self.live),
-                            steps=0, switches=0, preemptions=0, tokens_by_mode={}, steps_by_mode={},
+        return ServiceStats(EngineSnapshot(running=len(self.live), num_pages=64, free_pages=64 - 2 * len(self.live)),
                             ready=self.ready, draining=self.draining, error=self.error)
 
     def info(self) -> dict:

@@ -132,7 +132,8 @@ def speculating(service_class):
             return stream
 
         def stats(self):
-            return dataclasses.replace(super().stats(), speculative=self.counters)
+            stats = super().stats()
+            return dataclasses.replace(stats, engine=dataclasses.replace(stats.engine, speculative=self.counters))
 
         def info(self) -> dict:
             return super().info() | {"speculative": speculative_info(SpeculativeConfig("ngram"), self.counters)}

@@ -8,6 +8,7 @@ import pytest
 from shiftjax.serving.bench.speculation import (SpeculationReading, counted_between, reading_from_metrics,
                                                 reading_from_server_info, run_speculation)
 from shiftjax.serving.engine.speculative import SpecDecodeCounters
+from shiftjax.serving.engine.stats import EngineSnapshot
 from shiftjax.serving.server.metrics import Metrics
 from shiftjax.serving.server.protocol import ServiceStats
 
@@ -16,8 +17,7 @@ COUNTERS = SpecDecodeCounters(num_drafts=40, num_draft_tokens=120, num_accepted_
 
 
 def scrape(counters: SpecDecodeCounters) -> str:
-    stats = ServiceStats(running=0, waiting=0, num_pages=8, free_pages=8, steps=0, switches=0, preemptions=0,
-                         tokens_by_mode={}, steps_by_mode={}, ready=True, draining=False, speculative=counters)
+    stats = ServiceStats(EngineSnapshot(num_pages=8, free_pages=8, speculative=counters), ready=True, draining=False)
     metrics = Metrics(stats=lambda: stats)
     metrics.on_preemption()  # other counters in the same scrape are left alone
     return metrics.render().decode()

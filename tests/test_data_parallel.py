@@ -13,7 +13,7 @@ import sys
 import grpc
 import pytest
 
-from grpc_harness import FakeEngineService
+from grpc_harness import FakeEngineService, with_engine
 from shiftjax.serving.server.data_parallel import DataParallelService, StartupSummer, pick_replica
 from shiftjax.serving.engine.errors import InvalidRequest, Overloaded, Unavailable
 from shiftjax.serving.server.protocol import GenerationRequest
@@ -162,8 +162,8 @@ def test_stats_are_summed_and_info_says_dp():
     dp, replicas = fake_dp(8, 8)
     dp.submit(request(20, 20, "x"))
     stats = dp.stats()
-    assert (stats.running, stats.num_pages, stats.free_pages) == (1, 512, 512 - 3)
-    assert stats.tokens_by_mode == {"tp": 0} and stats.ready and stats.error is None
+    assert (stats.engine.running, stats.engine.num_pages, stats.engine.free_pages) == (1, 512, 512 - 3)
+    assert stats.engine.tokens_by_mode == {"tp": 0} and stats.ready and stats.error is None
     replicas[1].stats = lambda real=replicas[1].stats: dataclasses.replace(real(), ready=False, error="lost GPU")
     stats = dp.stats()
     assert not stats.ready and stats.error == "replica 1: lost GPU"
@@ -180,11 +180,11 @@ def test_stats_are_summed_and_info_says_dp():
 def test_prefix_cache_counts_are_summed_over_the_replicas_caches():
     dp, replicas = fake_dp(8, 8)
     for replica, (queries, hits) in zip(replicas, [(100, 40), (50, 10)]):
-        replica.stats = lambda real=replica.stats, q=queries, h=hits: dataclasses.replace(
+        replica.stats = lambda real=replica.stats, q=queries, h=hits: with_engine(
             real(), prefix_cache_queries=q, prefix_cache_hits=h, cached_pages=h // 10, evicted_pages=1)
         replica.info = lambda real=replica.info: real() | {"prefix_cache": {"enabled": True}}
-    stats = dp.stats()
-    assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.cached_pages, stats.evicted_pages) == \
+    summed = dp.stats().engine
+    assert (summed.prefix_cache_queries, summed.prefix_cache_hits, summed.cached_pages, summed.evicted_pages) == \
         (150, 50, 5, 2)
     assert dp.info()["prefix_cache"] == {"enabled": True, "hit_rate": 50 / 150, "queries": 150, "hits": 50,
                                          "cached_pages": 5, "evicted_pages": 2}

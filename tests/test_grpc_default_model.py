@@ -38,6 +38,11 @@ def distinct_prompt(i: int) -> list[int]:
     return [1 + i, 200 + 7 * i, 3000 + 11 * i]
 
 
+def all_pages_free(service) -> bool:
+    engine = service.stats().engine
+    return engine.free_pages == engine.num_pages
+
+
 @pytest.fixture(scope="module")
 def served():
     from grpc_harness import ServerThread
@@ -126,7 +131,7 @@ def test_200_concurrent_streams_grpc_and_http_mixed_each_get_their_own_output(se
         else:
             assert len(result[1]) == 1 and result[3] == "length", i
             assert result[2] == tokenizer.decode(expected[i % NUM_DISTINCT]), i
-    assert wait_for(lambda: served["service"].stats().free_pages == served["service"].stats().num_pages, 5)
+    assert wait_for(lambda: all_pages_free(served["service"]), 5)
 
 
 # The server's threads use `random` (grpc), which Hypothesis notices and warns about.
@@ -211,7 +216,7 @@ def test_fuzzed_bodies_and_requests_get_2xx_or_a_4xx_by_name_then_greedy_is_exac
     assert {(front, outcome) for front in ("http", "grpc") for outcome in ("ok", "refused")} <= set(outcomes)
     responses = list(client.generate(TEXT_PROMPTS[0], max_tokens=8))
     assert [t for r in responses for t in r.token_ids] == served["offline"]["text"][0].output_ids
-    assert wait_for(lambda: served["service"].stats().free_pages == served["service"].stats().num_pages, 5)
+    assert wait_for(lambda: all_pages_free(served["service"]), 5)
 
 
 HEALTH_BOUND_SECONDS = 1.0  # health answered within this while megabytes of prompt are refused
@@ -302,4 +307,4 @@ def test_the_id_stealing_sequence_fails_no_one(client, served):
 
     with pytest.raises(InvalidRequest, match="^request_id: has 129 characters"):
         asyncio.run(submit_long_id())
-    assert wait_for(lambda: served["service"].stats().free_pages == served["service"].stats().num_pages, 5)
+    assert wait_for(lambda: all_pages_free(served["service"]), 5)

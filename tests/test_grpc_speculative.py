@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from grpc_harness import FakeEngineService, ServerThread, serving_client
+from grpc_harness import FakeEngineService, ServerThread, serving_client, with_engine
 from shiftjax.checkpoints.default_model import default_model_path
 from shiftjax.checkpoints.tokenizer import Tokenizer
 from shiftjax.serving.client.cli import client_main
@@ -29,10 +29,10 @@ class SpeculatingService(FakeEngineService):
         self.config, self.counters = config, counters
 
     def stats(self):
-        return dataclasses.replace(super().stats(), speculative=self.counters)
+        return with_engine(super().stats(), speculative=self.counters)
 
     def info(self) -> dict:
-        return super().info() | {"speculative": speculative_info(self.config, self.stats().speculative)}
+        return super().info() | {"speculative": speculative_info(self.config, self.stats().engine.speculative)}
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ def test_data_parallel_server_info_sums_the_replicas_counters(tokenizer):
     replicas = [SpeculatingService(tokenizer, SUFFIX, COUNTERS),
                 SpeculatingService(tokenizer, SUFFIX, SpecDecodeCounters(10, 40, 30, (10, 10, 6, 4), 0.5))]
     dp = DataParallelService(replicas, tokenizer, devices=["fake:0", "fake:1"])
-    assert dp.stats().speculative == SpecDecodeCounters(60, 220, 120, (50, 35, 21, 14), 0.625)
+    assert dp.stats().engine.speculative == SpecDecodeCounters(60, 220, 120, (50, 35, 21, 14), 0.625)
     thread = ServerThread(dp)
     try:
         with serving_client(thread.address) as client:

@@ -266,7 +266,7 @@ def test_an_uncompilable_constraint_is_refused_by_name_and_the_next_request_serv
         assert caught.value.details().startswith(f"{field}: does not compile"), caught.value.details()
         done = ask(client, "Give me a number.", ClientConstraint(regex="[0-9]{2}"))
         assert re.fullmatch("[0-9]{2}", done.text), done.text
-    assert wait_for(lambda: service.stats().free_pages == service.stats().num_pages, 5)
+    assert wait_for(lambda: service.stats().engine.free_pages == service.stats().engine.num_pages, 5)
 
 
 @pytest.mark.slow

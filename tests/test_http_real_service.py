@@ -157,9 +157,9 @@ def test_disconnect_mid_stream_frees_the_pages(served):
         with http.stream("POST", f"{url}/v1/completions", json=body) as response:
             lines = response.iter_lines()
             next(line for line in lines if line.startswith("data:"))
-            assert service.stats().free_pages < service.stats().num_pages
+            assert service.stats().engine.free_pages < service.stats().engine.num_pages
     deadline = time.monotonic() + 5
-    while service.stats().free_pages < service.stats().num_pages and time.monotonic() < deadline:
+    while service.stats().engine.free_pages < service.stats().engine.num_pages and time.monotonic() < deadline:
         time.sleep(0.02)
     stats = service.stats()
-    assert stats.free_pages == stats.num_pages and stats.running == 0
+    assert stats.engine.free_pages == stats.engine.num_pages and stats.engine.running == 0

@@ -6,6 +6,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from shiftjax.serving.engine.stats import EngineSnapshot
 from shiftjax.serving.server.metrics import Metrics, start_metrics_server
 from shiftjax.serving.server.protocol import EngineObserver, ServiceStats, Usage
 
@@ -20,10 +21,10 @@ def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
     }
 
 
-def stats(**overrides) -> ServiceStats:
-    fields = dict(running=3, waiting=5, num_pages=100, free_pages=75, steps=0, switches=0, preemptions=0,
-                  tokens_by_mode={}, steps_by_mode={}, ready=True, draining=False)
-    return ServiceStats(**(fields | overrides))
+def stats(ready: bool = True, draining: bool = False, **overrides) -> ServiceStats:
+    """A service's stats: those of its engine snapshot's fields in ``overrides`` replaced."""
+    fields = dict(running=3, waiting=5, num_pages=100, free_pages=75)
+    return ServiceStats(EngineSnapshot(**(fields | overrides)), ready=ready, draining=draining)
 
 
 def usage(prompt, output, queue, ttft, e2e) -> Usage:

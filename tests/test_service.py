@@ -78,7 +78,7 @@ def test_concurrent_streams_equal_offline_greedy_output(service, reference):
     varied = [dict(temperature=0.9, top_p=0.8, seed=3), dict(temperature=1.2, min_p=0.2, top_k=7),
               dict(logprobs=True, top_logprobs=5), dict(stop=("AB", "Q"), max_tokens=30), dict(max_tokens=1)]
 
-    steps_before = service.stats().steps
+    steps_before = service.stats().engine.steps
 
     async def main():
         streams = [service.submit(request(p)) for p in PROMPTS * 3]
@@ -104,12 +104,13 @@ def test_concurrent_streams_equal_offline_greedy_output(service, reference):
     assert {m for deltas in results for m in deltas[-1].usage.modes} == {"tp", "sp"}
     assert compiles.backend_compiles == 0  # serving never compiles, whatever the parameters
     stats = service.stats()
-    assert stats.ready and stats.running == stats.waiting == 0 and stats.free_pages == stats.num_pages
-    assert stats.steps_by_mode["tp"] > 0 and stats.steps_by_mode["sp"] > 0
+    engine = stats.engine
+    assert stats.ready and engine.running == engine.waiting == 0 and engine.free_pages == engine.num_pages
+    assert stats.engine.steps_by_mode["tp"] > 0 and stats.engine.steps_by_mode["sp"] > 0
     # The step trace holds this service's steps, each with the mode its token bucket picked
     # (buckets 4 and 16, threshold 8: SP for steps of more than 4 tokens), and the queue.
     trace = service.step_trace()
-    assert len(trace) == stats.steps - steps_before
+    assert len(trace) == stats.engine.steps - steps_before
     assert all(step["mode"] == ("sp" if step["num_tokens"] > 4 else "tp") for step in trace)
     assert [s["time"] for s in trace] == sorted(s["time"] for s in trace) and trace[-1]["waiting"] == 0
 
@@ -139,7 +140,7 @@ def test_stop_string_across_tokens_ends_the_stream(service, reference):
     deltas = asyncio.run(main())
     assert "".join(d.text for d in deltas) == expected
     assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == stop
-    assert service.stats().free_pages == service.stats().num_pages
+    assert service.stats().engine.free_pages == service.stats().engine.num_pages
 
 
 def test_llm_generate_and_the_service_end_requests_alike(engine, reference):
@@ -195,23 +196,23 @@ def test_cancel_close_and_deadline_free_pages_at_once(service):
         assert first.token_ids and service.cancel("c")
         rest = await collect(stream)
         assert rest[-1].finish_reason == "abort" and len(rest) <= 3
-        freed_on_abort = service.stats().free_pages == service.stats().num_pages
+        freed_on_abort = service.stats().engine.free_pages == service.stats().engine.num_pages
         # closing the stream early aborts too
         stream = service.submit(GenerationRequest((4, 5, 6), SamplingParams(**long)))
         await stream.__anext__()
         await stream.aclose()
         for _ in range(200):
-            if service.stats().free_pages == service.stats().num_pages:
+            if service.stats().engine.free_pages == service.stats().engine.num_pages:
                 break
             await asyncio.sleep(0.01)
-        freed_on_close = service.stats().free_pages == service.stats().num_pages
+        freed_on_close = service.stats().engine.free_pages == service.stats().engine.num_pages
         # so does a deadline, and the stream says why it ended
         deadline = GenerationRequest((7, 8), SamplingParams(**long), deadline=time.monotonic() + 0.01)
         deltas = []
         with pytest.raises(DeadlineExceeded, match="passed its deadline"):
             async for delta in service.submit(deadline):
                 deltas.append(delta)
-        freed_on_deadline = service.stats().free_pages == service.stats().num_pages
+        freed_on_deadline = service.stats().engine.free_pages == service.stats().engine.num_pages
         return freed_on_abort, freed_on_close, freed_on_deadline, deltas
 
     freed_on_abort, freed_on_close, freed_on_deadline, deltas = asyncio.run(main())
@@ -231,8 +232,8 @@ def test_a_stream_dropped_without_being_iterated_cancels_its_request(service):
         del stream
         gc.collect()
         for _ in range(500):
-            stats = service.stats()
-            if stats.free_pages == stats.num_pages and stats.running == 0 and stats.waiting == 0:
+            engine = service.stats().engine
+            if engine.free_pages == engine.num_pages and engine.running == 0 and engine.waiting == 0:
                 return True
             await asyncio.sleep(0.01)
         return False
@@ -285,13 +286,13 @@ def test_a_repeated_prompt_reports_its_cached_tokens_and_a_salt_keeps_them_apart
     assert (first, again, salted, salted_again) == (0, 12, 0, 12)
     assert out == out_again == out_salted  # K/V from the cache changes no token
     after = service.stats()
-    assert after.prefix_cache_queries - before.prefix_cache_queries == 4 * len(LONG)
-    assert after.prefix_cache_hits - before.prefix_cache_hits == 24 and after.cached_pages >= 6
+    assert after.engine.prefix_cache_queries - before.engine.prefix_cache_queries == 4 * len(LONG)
+    assert after.engine.prefix_cache_hits - before.engine.prefix_cache_hits == 24 and after.engine.cached_pages >= 6
     assert service.cached_prefix_tokens(LONG) == service.cached_prefix_tokens(LONG, "tenant-a") == 12
     assert service.cached_prefix_tokens(LONG, "tenant-b") == 0
     cache = json.loads(json.dumps(service.info()))["prefix_cache"]
-    assert cache["enabled"] is True and cache["hits"] == after.prefix_cache_hits
-    assert 0 < cache["hit_rate"] == pytest.approx(after.prefix_cache_hits / after.prefix_cache_queries)
+    assert cache["enabled"] is True and cache["hits"] == after.engine.prefix_cache_hits
+    assert 0 < cache["hit_rate"] == pytest.approx(after.engine.prefix_cache_hits / after.engine.prefix_cache_queries)
 
 
 def test_with_prefix_caching_off_nothing_is_cached_and_info_says_off():
@@ -309,8 +310,8 @@ def test_with_prefix_caching_off_nothing_is_cached_and_info_says_off():
 
         assert [asyncio.run(cached()) for _ in range(2)] == [0, 0]
         assert service.cached_prefix_tokens(LONG) == 0
-        stats = service.stats()
-        assert (stats.prefix_cache_hits, stats.cached_pages) == (0, 0) and stats.prefix_cache_queries == 2 * len(LONG)
+        engine = service.stats().engine
+        assert (engine.prefix_cache_hits, engine.cached_pages) == (0, 0) and engine.prefix_cache_queries == 2 * len(LONG)
         assert service.info()["prefix_cache"] | {"queries": 0} == {
             "enabled": False, "hit_rate": 0.0, "queries": 0, "hits": 0, "cached_pages": 0, "evicted_pages": 0}
     finally:
@@ -348,10 +349,10 @@ def test_a_speculating_engine_counts_its_drafts_for_info_and_metrics_and_a_reque
 
     try:
         opted_out = asyncio.run(tokens(disable_speculation=True))
-        assert service.stats().speculative.num_drafts == 0
+        assert service.stats().engine.speculative.num_drafts == 0
         engine.scheduler.drafter = KnownContinuation()  # the counters' path, whatever the text
         assert asyncio.run(tokens()) == opted_out  # greedy: the same tokens either way
-        counters = service.stats().speculative
+        counters = service.stats().engine.speculative
         assert counters.num_drafts > 0 and counters.num_draft_tokens >= counters.num_drafts
         assert len(counters.accepted_per_position) == 3 and sum(counters.accepted_per_position) == \
             counters.num_accepted_tokens
@@ -446,7 +447,7 @@ def test_what_ends_a_request_past_its_deadline_is_named(engine, reference, late,
 
         outcome = asyncio.run(main())
         assert observer.finished == [reason]
-        assert service.stats().free_pages == service.stats().num_pages
+        assert service.stats().engine.free_pages == service.stats().engine.num_pages
         if late is None:
             assert isinstance(outcome, DeadlineExceeded)
         elif late == "close":
@@ -631,9 +632,9 @@ def test_preemption_changes_no_output_and_is_counted(engine, reference):
     try:
         async def main():
             alone = [await collect(service.submit(request(p, max_tokens=20))) for p in prompts]
-            before = service.stats().preemptions
+            before = service.stats().engine.preemptions
             together = await asyncio.gather(*(collect(service.submit(request(p, max_tokens=20))) for p in prompts))
-            return alone, together, service.stats().preemptions - before
+            return alone, together, service.stats().engine.preemptions - before
 
         alone, together, preempted = asyncio.run(main())
     finally:

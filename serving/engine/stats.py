@@ -78,18 +78,20 @@ class GrammarCounters:
 @dataclasses.dataclass(frozen=True)
 class EngineSnapshot:
     """The engine's state when asked (never cached), copied so that a reader on another
-    thread sees numbers that belong together."""
+    thread sees numbers that belong together: the one record of these counters, which the
+    service's stats carry whole (``protocol.ServiceStats``) and metrics and ServerInfo read.
+    The defaults are an engine that has not started; ``+`` sums replicas' (``--dp``)."""
 
-    running: int
-    waiting: int
-    num_pages: int  # usable pages (page 0, the scratch page, excluded)
-    free_pages: int
-    preemptions: int
-    steps: int
-    switches: int
-    tokens: int
-    steps_by_mode: dict[str, int]
-    tokens_by_mode: dict[str, int]
+    running: int = 0
+    waiting: int = 0
+    num_pages: int = 0  # usable pages (page 0, the scratch page, excluded)
+    free_pages: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    switches: int = 0
+    tokens: int = 0
+    steps_by_mode: dict[str, int] = dataclasses.field(default_factory=dict)
+    tokens_by_mode: dict[str, int] = dataclasses.field(default_factory=dict)
     # the prefix cache: prompt tokens looked up and found (at each request's first
     # admission), pages a block hash names (shared, or free to reuse), pages evicted
     prefix_cache_queries: int = 0
@@ -99,9 +101,17 @@ class EngineSnapshot:
     grammar: GrammarCounters = GrammarCounters()
     speculative: SpecDecodeCounters = SpecDecodeCounters()
 
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+    def __add__(self, other: EngineSnapshot) -> EngineSnapshot:
+        """Two engines' snapshots summed, field by field (steps too: replicas step at once)."""
+        return EngineSnapshot(**{f.name: _summed(getattr(self, f.name), getattr(other, f.name))
+                                 for f in dataclasses.fields(self)})
+
+
+def _summed(a, b):
+    """``a + b``; for counts by key (``steps_by_mode``), key by key."""
+    if isinstance(a, dict):
+        return {key: a.get(key, 0) + b.get(key, 0) for key in a | b}
+    return a + b
 
 
 @dataclasses.dataclass(frozen=True)

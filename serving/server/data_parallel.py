@@ -293,8 +293,8 @@ class DataParallelService:
         info["mesh"] = mesh
         if "page_pool" in info:
             pool = info["page_pool"]
-            info["page_pool"] = {**pool, "num_pages": sum(s.num_pages for s in each_stats),
-                                 "free_pages": sum(s.free_pages for s in each_stats),
+            info["page_pool"] = {**pool, "num_pages": sum(s.engine.num_pages for s in each_stats),
+                                 "free_pages": sum(s.engine.free_pages for s in each_stats),
                                  "explanation": f"summed over {len(self.replicas)} replicas, a pool each; replica 0: "
                                                 f"{pool.get('explanation') or pool.get('sized_by')}"}
         if "startup" in info:
@@ -309,18 +309,18 @@ class DataParallelService:
                 "phase_seconds": max_by_key(s.get("phase_seconds", {}) for s in startups)}
         summed = self._summed(each_stats)
         if "prefix_cache" in info:  # each replica's own cache and grammars: the counts summed
-            info["prefix_cache"] = prefix_cache_info(info["prefix_cache"].get("enabled", False), summed)
-            info["structured_outputs"] = structured_outputs_info(summed)
+            info["prefix_cache"] = prefix_cache_info(info["prefix_cache"].get("enabled", False), summed.engine)
+            info["structured_outputs"] = structured_outputs_info(summed.engine)
         if "speculative" in info:  # replica 0's configuration (every replica's), the replicas' counts summed
-            info["speculative"] = info["speculative"] | speculative_counts(summed.speculative)
+            info["speculative"] = info["speculative"] | speculative_counts(summed.engine.speculative)
         info["routing"] = ("fewest queued tokens (prompt tokens not yet prefilled + max_tokens not yet streamed), "
                            "less the request's prompt tokens the replica's prefix cache holds")
         info["replicas"] = [
             {"index": i, "device": self._devices[i],
              "queued_tokens": queued[i], "live_requests": live[i],
-             "routed_requests": routed[i], "running": s.running, "waiting": s.waiting,
-             "num_pages": s.num_pages, "free_pages": s.free_pages, "steps": s.steps, "ready": s.ready,
-             "prefix_cache_hits": s.prefix_cache_hits, "cached_pages": s.cached_pages,
+             "routed_requests": routed[i], "running": s.engine.running, "waiting": s.engine.waiting,
+             "num_pages": s.engine.num_pages, "free_pages": s.engine.free_pages, "steps": s.engine.steps,
+             "ready": s.ready, "prefix_cache_hits": s.engine.prefix_cache_hits, "cached_pages": s.engine.cached_pages,
              **({"error": s.error} if s.error else {})}
             for i, s in enumerate(each_stats)]
         return info

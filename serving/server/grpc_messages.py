@@ -200,19 +200,20 @@ def server_info_from(info: dict, stats: ServiceStats) -> pb.ServerInfoResponse:
     """``info`` is ``service.info()`` (its layout: serving/server/service_info.py); fields it lacks
     stay at their zero values, and the whole of it travels as JSON in ``info_json``."""
     buckets, pool, policy = info.get("buckets", {}), info.get("page_pool", {}), info.get("policy", {})
+    engine = stats.engine
     startup, limits = info.get("startup", {}), info.get("limits", {})
     return pb.ServerInfoResponse(
         model=str(info.get("model", "")), modes=[str(m) for m in info.get("modes", ())],
         mesh={str(k): v for k, v in info.get("mesh", {}).items() if isinstance(v, int)},  # axis sizes
         token_buckets=buckets.get("tokens", ()), seq_buckets=buckets.get("seqs", ()),
-        page_size=pool.get("page_size", 0), num_pages=stats.num_pages, free_pages=stats.free_pages,
+        page_size=pool.get("page_size", 0), num_pages=engine.num_pages, free_pages=engine.free_pages,
         max_model_len=limits.get("max_model_len", 0), policy=str(policy.get("name", "")),
         timings=[pb.StepTiming(mode=row["mode"], tokens=row["tokens"], seqs=row["seqs"], seconds=row["seconds"])
                  for row in policy.get("timing", ())],
         executables=startup.get("executables", 0), compile_cache_hits=startup.get("cache_hits", 0),
-        compile_seconds=startup.get("compile_seconds", 0.0), running=stats.running, waiting=stats.waiting,
-        steps=stats.steps, switches=stats.switches, preemptions=stats.preemptions,
-        steps_by_mode=stats.steps_by_mode, tokens_by_mode=stats.tokens_by_mode, ready=stats.ready,
+        compile_seconds=startup.get("compile_seconds", 0.0), running=engine.running, waiting=engine.waiting,
+        steps=engine.steps, switches=engine.switches, preemptions=engine.preemptions,
+        steps_by_mode=engine.steps_by_mode, tokens_by_mode=engine.tokens_by_mode, ready=stats.ready,
         draining=stats.draining, info_json=json.dumps(jsonable(info), sort_keys=True),
         speculative=speculative_info_from(info["speculative"], stats) if "speculative" in info else None,
         quantization=str(info.get("quantization", {}).get("weights", "")),
@@ -222,7 +223,7 @@ def server_info_from(info: dict, stats: ServiceStats) -> pb.ServerInfoResponse:
 def speculative_info_from(section: dict, stats: ServiceStats) -> pb.SpeculativeInfo:
     """ServerInfo's speculative decoding: how, from ``info``'s section (service_info.py's
     ``speculative_info``), and what it did, from ``stats`` (read now, as the other counters)."""
-    counters = stats.speculative
+    counters = stats.engine.speculative
     return pb.SpeculativeInfo(
         enabled=bool(section.get("enabled")), method=str(section.get("method") or ""),
         num_speculative_tokens=int(section.get("num_speculative_tokens") or 0),

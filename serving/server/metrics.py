@@ -169,16 +169,17 @@ class _ServiceStatsCollector(Collector):
         stats = self._read_stats()
         if stats is None:
             return
+        engine = stats.engine
         yield GaugeMetricFamily(f"{PREFIX}_num_requests_running", "Requests in the running batch.",
-                                value=stats.running)
+                                value=engine.running)
         yield GaugeMetricFamily(f"{PREFIX}_num_requests_waiting", "Requests in the admission queue.",
-                                value=stats.waiting)
+                                value=engine.waiting)
         yield GaugeMetricFamily(f"{PREFIX}_kv_pages", "Usable KV cache pages (the scratch page excluded).",
-                                value=stats.num_pages)
-        yield GaugeMetricFamily(f"{PREFIX}_kv_pages_free", "Free KV cache pages.", value=stats.free_pages)
-        used = stats.num_pages - stats.free_pages
+                                value=engine.num_pages)
+        yield GaugeMetricFamily(f"{PREFIX}_kv_pages_free", "Free KV cache pages.", value=engine.free_pages)
+        used = engine.num_pages - engine.free_pages
         yield GaugeMetricFamily(f"{PREFIX}_kv_page_utilization", "Fraction of usable KV pages in use (0 to 1).",
-                                value=used / stats.num_pages if stats.num_pages else 0.0)
+                                value=used / engine.num_pages if engine.num_pages else 0.0)
         yield GaugeMetricFamily(f"{PREFIX}_ready", "1 when every executable is ready and the service admits requests.",
                                 value=1.0 if stats.ready and not stats.draining else 0.0)
         yield GaugeMetricFamily(f"{PREFIX}_draining", "1 while shutting down (new requests refused).",
@@ -186,24 +187,24 @@ class _ServiceStatsCollector(Collector):
         # as vLLM's prefix_cache_queries and prefix_cache_hits: tokens, not requests
         yield CounterMetricFamily(f"{PREFIX}_prefix_cache_queries",
                                   "Prompt tokens looked up in the prefix cache (at each request's first admission).",
-                                  value=stats.prefix_cache_queries)
+                                  value=engine.prefix_cache_queries)
         yield CounterMetricFamily(f"{PREFIX}_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                  value=stats.prefix_cache_hits)
+                                  value=engine.prefix_cache_hits)
         yield GaugeMetricFamily(f"{PREFIX}_prefix_cache_pages",
                                 "KV pages a prefix-cache block hash names (in use, or free and reusable).",
-                                value=stats.cached_pages)
+                                value=engine.cached_pages)
         yield CounterMetricFamily(f"{PREFIX}_prefix_cache_evicted_pages",
-                                  "Cached KV pages evicted to make room for new ones.", value=stats.evicted_pages)
+                                  "Cached KV pages evicted to make room for new ones.", value=engine.evicted_pages)
         for name, field, help_text in _GRAMMAR_COUNTERS:
             yield CounterMetricFamily(f"{PREFIX}_structured_output_{name}", help_text,
-                                      value=getattr(stats.grammar, field))
+                                      value=getattr(engine.grammar, field))
         for field, help_text in _SPEC_DECODE_COUNTERS:
             yield CounterMetricFamily(f"{PREFIX}_spec_decode_{field}", help_text,
-                                      value=getattr(stats.speculative, field))
+                                      value=getattr(engine.speculative, field))
         per_position = CounterMetricFamily(f"{PREFIX}_spec_decode_num_accepted_tokens_per_pos",
                                            "Draft tokens accepted at each draft position (0: the first).",
                                            labels=["position"])
-        for position, accepted in enumerate(stats.speculative.accepted_per_position):
+        for position, accepted in enumerate(engine.speculative.accepted_per_position):
             per_position.add_metric([str(position)], accepted)
         yield per_position
 

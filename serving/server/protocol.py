@@ -16,8 +16,7 @@ from shiftjax.serving.engine.admission import checked_prompt_ids
 from shiftjax.serving.engine.errors import DeadlineExceeded, InvalidRequest, Overloaded, RequestFailed, Unavailable
 from shiftjax.serving.engine.output_processor import FINISH_LENGTH, FINISH_STOP
 from shiftjax.serving.engine.sampling_params import SamplingParams
-from shiftjax.serving.engine.speculative import SpecDecodeCounters
-from shiftjax.serving.engine.stats import GrammarCounters
+from shiftjax.serving.engine.stats import EngineSnapshot
 
 __all__ = ["DeadlineExceeded", "InvalidRequest", "Overloaded", "RequestFailed", "Unavailable",  # re-exported
            "FINISH_LENGTH", "FINISH_STOP", "prompt_ids_or_error"]
@@ -99,27 +98,15 @@ class Delta:
 
 @dataclasses.dataclass(frozen=True)
 class ServiceStats:
-    """A snapshot, read when asked (never cached): the numbers metrics and ServerInfo show."""
+    """A snapshot, read when asked (never cached): the numbers metrics and ServerInfo show.
+    The engine's counters are its :class:`EngineSnapshot`, whole (summed over ``--dp``
+    replicas; its ``waiting`` counts the requests submitted to the service and not yet taken
+    by the engine thread too); the service adds what it alone knows."""
 
-    running: int
-    waiting: int
-    num_pages: int  # usable pages (page 0, the scratch page, excluded)
-    free_pages: int
-    steps: int
-    switches: int
-    preemptions: int
-    tokens_by_mode: dict[str, int]
-    steps_by_mode: dict[str, int]
+    engine: EngineSnapshot
     ready: bool
     draining: bool
     error: str | None = None  # why a started service stopped being ready (it needs a restart)
-    # the prefix cache, as EngineSnapshot counts it (service_info.prefix_cache_info reports it)
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    cached_pages: int = 0
-    evicted_pages: int = 0
-    grammar: GrammarCounters = GrammarCounters()  # the engine's, whole (summed over --dp replicas)
-    speculative: SpecDecodeCounters = SpecDecodeCounters()  # the engine's, whole (summed over --dp replicas)
 
 
 class EngineService(Protocol):

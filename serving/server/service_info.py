@@ -7,7 +7,7 @@ import dataclasses
 import threading
 
 from shiftjax.serving.engine.speculative import SpecDecodeCounters, SpeculativeConfig
-from shiftjax.serving.engine.stats import EngineDescription, EngineSnapshot, GrammarCounters
+from shiftjax.serving.engine.stats import EngineDescription, EngineSnapshot
 from shiftjax.serving.server.protocol import ServiceStats
 
 
@@ -26,7 +26,7 @@ def service_info(engine: EngineDescription, model_name: str, stats: ServiceStats
         "modes": list(engine.modes),
         "async_scheduling": engine.async_scheduling,
         "buckets": {"tokens": list(engine.token_buckets), "seqs": list(engine.seq_buckets)},
-        "page_pool": {"num_pages": stats.num_pages, "free_pages": stats.free_pages,
+        "page_pool": {"num_pages": stats.engine.num_pages, "free_pages": stats.engine.free_pages,
                       "page_size": limits.page_size, "sized_by": engine.pool_sized_by,
                       "explanation": engine.pool_explanation},
         "policy": {"name": engine.policy, "threshold": engine.shift_threshold,
@@ -38,9 +38,9 @@ def service_info(engine: EngineDescription, model_name: str, stats: ServiceStats
         "limits": {"max_model_len": limits.max_model_len, "max_num_seqs": limits.max_num_seqs,
                    "max_num_batched_tokens": limits.max_num_batched_tokens, "max_queue": limits.max_queue,
                    "max_top_logprobs": limits.max_top_logprobs},
-        "prefix_cache": prefix_cache_info(limits.enable_prefix_caching, stats),
-        "structured_outputs": structured_outputs_info(stats),
-        "speculative": speculative_info(engine.speculative, stats.speculative),
+        "prefix_cache": prefix_cache_info(limits.enable_prefix_caching, stats.engine),
+        "structured_outputs": structured_outputs_info(stats.engine),
+        "speculative": speculative_info(engine.speculative, stats.engine.speculative),
         "quantization": quantization_info(engine),
     }
 
@@ -71,7 +71,7 @@ def speculative_counts(counters: SpecDecodeCounters) -> dict:
             "accepted_per_position": list(counters.accepted_per_position), "draft_seconds": counters.draft_seconds}
 
 
-def structured_outputs_info(stats: ServiceStats) -> dict:
+def structured_outputs_info(stats: EngineSnapshot) -> dict:
     """The grammar library, and what structured outputs have cost: grammars compiled and
     found compiled, compile seconds, and the host time filling masks (per fill: one per
     step with a constrained row)."""
@@ -81,7 +81,7 @@ def structured_outputs_info(stats: ServiceStats) -> dict:
             "masked_rows": grammar.masked_rows, "mask_ms_per_fill": grammar.mask_ms_per_fill}
 
 
-def prefix_cache_info(enabled: bool, stats: ServiceStats) -> dict:
+def prefix_cache_info(enabled: bool, stats: EngineSnapshot) -> dict:
     """Whether prefix caching is on, and what it has done: prompt tokens looked up
     (``queries``) and found cached (``hits``), their ratio, pages named now and evicted."""
     queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
@@ -93,48 +93,22 @@ def service_stats(engine: EngineSnapshot | None, *, inbox: int, draining: bool, 
     """The service's stats from the engine's snapshot (None while it starts: nothing runs,
     not ready) and its own state: ``inbox`` requests submitted but not yet taken by the
     engine thread (counted as waiting), draining, the error that made it unready."""
-    if engine is None:
-        return ServiceStats(running=0, waiting=inbox, num_pages=0, free_pages=0, steps=0, switches=0,
-                            preemptions=0, tokens_by_mode={}, steps_by_mode={}, ready=False, draining=draining)
-    return ServiceStats(
-        running=engine.running, waiting=engine.waiting + inbox, num_pages=engine.num_pages,
-        free_pages=engine.free_pages, steps=engine.steps, switches=engine.switches,
-        preemptions=engine.preemptions, tokens_by_mode=engine.tokens_by_mode,
-        steps_by_mode=engine.steps_by_mode, ready=error is None, draining=draining, error=error,
-        prefix_cache_queries=engine.prefix_cache_queries, prefix_cache_hits=engine.prefix_cache_hits,
-        cached_pages=engine.cached_pages, evicted_pages=engine.evicted_pages, grammar=engine.grammar,
-        speculative=engine.speculative)
+    snapshot = engine or EngineSnapshot()
+    return ServiceStats(dataclasses.replace(snapshot, waiting=snapshot.waiting + inbox),
+                        ready=engine is not None and error is None, draining=draining,
+                        error=None if engine is None else error)
 
 
 def summed_stats(each: list[ServiceStats], *, draining: bool) -> ServiceStats:
-    """Replicas' stats summed (steps too: steps run on P devices at once); ready when every
-    replica is, draining when any is (or ``draining``); the replicas' errors, each named."""
-    return ServiceStats(
-        running=sum(s.running for s in each), waiting=sum(s.waiting for s in each),
-        num_pages=sum(s.num_pages for s in each), free_pages=sum(s.free_pages for s in each),
-        steps=sum(s.steps for s in each), switches=sum(s.switches for s in each),
-        preemptions=sum(s.preemptions for s in each),
-        tokens_by_mode=_sum_counts(s.tokens_by_mode for s in each),
-        steps_by_mode=_sum_counts(s.steps_by_mode for s in each),
-        ready=all(s.ready for s in each), draining=draining or any(s.draining for s in each),
-        error=replica_errors(each), prefix_cache_queries=sum(s.prefix_cache_queries for s in each),
-        prefix_cache_hits=sum(s.prefix_cache_hits for s in each),
-        cached_pages=sum(s.cached_pages for s in each), evicted_pages=sum(s.evicted_pages for s in each),
-        grammar=sum((s.grammar for s in each), GrammarCounters()),
-        speculative=sum((s.speculative for s in each), SpecDecodeCounters()))
+    """Replicas' stats summed (``EngineSnapshot``'s ``+``); ready when every replica is,
+    draining when any is (or ``draining``); the replicas' errors, each named."""
+    return ServiceStats(sum((s.engine for s in each), EngineSnapshot()), ready=all(s.ready for s in each),
+                        draining=draining or any(s.draining for s in each), error=replica_errors(each))
 
 
 def replica_errors(each_stats) -> str | None:
     """Why replicas stopped being ready (``ServiceStats.error``), each named, or None."""
     return "; ".join(f"replica {i}: {s.error}" for i, s in enumerate(each_stats) if s.error) or None
-
-
-def _sum_counts(dicts) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for counts in dicts:
-        for key, value in counts.items():
-            total[key] = total.get(key, 0) + value
-    return total
 
 
 def max_by_key(dicts) -> dict[str, float]:
