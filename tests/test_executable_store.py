@@ -6,7 +6,9 @@ import json
 import subprocess
 import sys
 
+import jax
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 from shiftjax.cache import CacheGeometry
 from shiftjax.config import ModelConfig
@@ -30,6 +32,18 @@ GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 OPTIONS = dict(max_model_len=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
                token_buckets=(4, 16), seq_buckets=(4,), attention="reference", mode="alternate",
                enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def without_the_compilation_cache():
+    """The store keeps only what XLA just compiled (serving/engine/compile.py says why), so
+    these tests run without the test run's persistent compilation cache (conftest.py), whose
+    hits would leave the store empty."""
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
 
 
 @pytest.fixture(scope="module")
