@@ -29,11 +29,12 @@ install-dev: $(VENV)/.dev
 demo: $(VENV)/.base
 	$(PY) -m shiftjax.serving.demo
 
-# Two workers, each a whole test file at a time (module fixtures stay shared): on the 2-core
-# machine the suite took 27.9 min so against 40.0 min in one process, which spends much of
-# its time waiting on the servers and subprocesses it starts.
+# Two workers, each a whole test file at a time (module fixtures stay shared), the longest
+# files first in tests/conftest.py's order (--no-loadscope-reorder: xdist would otherwise
+# order files by their number of tests). The one process spends much of its time waiting on
+# the servers and subprocesses it starts.
 test: $(VENV)/.dev
-	$(VENV)/bin/pytest -q -m "not gpu" -n 2 --dist loadfile
+	$(VENV)/bin/pytest -q -m "not gpu" -n 2 --dist loadfile --no-loadscope-reorder
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache
