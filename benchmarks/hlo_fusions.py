@@ -69,6 +69,7 @@ def smoke_dump(folder: Path) -> list[str]:
     import jax
     import jax.numpy as jnp
 
+    jax.config.update("jax_enable_compilation_cache", False)  # a cached executable dumps nothing
     jax.jit(lambda x: (jnp.cos(x) * x).astype(jnp.bfloat16).T + 1)(jnp.ones((64, 32))).block_until_ready()
     text = "".join(path.read_text() for path in folder.glob("*jit__lambda*after_optimizations.txt"))
     return sorted({name.replace(".", "_") for name in re.findall(r"%([\w.]*fusion[\w.]*) = ", text)})

@@ -161,7 +161,7 @@ def main():
             quantize = [a for a in serve_args if a in ("--quantization", "--kv-cache-dtype", "fp8")]
             command = ["{python}", "-P", "-m", "shiftjax.serving.cli", "serve", "--model", "default", "--port", "{port}",
                        "--cpu-devices", "1", "--max-model-len", "256", "--max-num-seqs", "2",
-                       "--max-num-batched-tokens", "64", "--token-buckets", "16,64", "--seq-buckets", "2",
+                       "--max-num-batched-tokens", "64", "--token-buckets", "64", "--seq-buckets", "2",
                        "--num-pages", "40", *quantize]
             sizes = {"c1": (1, 20, 4, 1), "c64": (2, 20, 4, 2), "ttft4096": (1, 60, 1, 1)}
         log_name = name.replace("@", "_")

@@ -50,7 +50,7 @@ from shiftjax.steps import make_step, params_for  # noqa: E402
 from shiftjax.weights import shard_params  # noqa: E402
 
 PAGE = 16
-PARTS = "ceilings,correct,steps_mesh,steps_1gpu,engine"  # the default run; allreduce and collectives on request
+PARTS = "ceilings,correct,steps_mesh,steps_1gpu,engine"  # the default run; the others on request
 RESULTS: dict = {}
 RECORDED_ENVIRONMENT = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_ALLOCATOR", "TF_CPP_VMODULE", "NCCL_NVLS_ENABLE")
 # (warm-up calls, timed calls) of each step in ``time_steps``; on the CPU (--smoke) timings mean
@@ -230,7 +230,7 @@ def correctness(smoke: bool, attention: str, gemms: tuple[str, ...]) -> dict:
             weights = shard_params(params, config, make_mesh(sp, tp, devices))
             # num_pages given: sized from memory, each engine would take what the one before still holds
             engine = Engine(weights, EngineConfig(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
-                                                  num_pages=64, token_buckets=(8, 64), seq_buckets=(4,), mode=mode,
+                                                  num_pages=64, token_buckets=(64,) if smoke else (8, 64), seq_buckets=(4,), mode=mode,
                                                   attention=attention, layer_loop="scan", gemm=gemm))
             requests = [engine.add_request(p, greedy) for p in prompts]
             engine.run_until_done(requests)
@@ -311,33 +311,6 @@ def step_table(smoke: bool, attention: str, profile: bool, where: str) -> dict:
     return out
 
 
-def allreduce_variants(smoke: bool, attention: str, profile: bool) -> dict:
-    """TP decode on both GPUs with NCCL's all-reduce against XLA's one-shot all-reduce
-    kernel (peer-memory loads, no multicast), which should cut the latency of the 65 small
-    all-reduces a 32-layer step makes."""
-    config = big_config(smoke)
-    ctx, prompt, max_pages = (64, 64, 8) if smoke else (1024, 2048, 260)
-    mesh = make_mesh(2, 1, jax.devices()[:2])
-    weights = shard_params(device_random_params(config, jnp.bfloat16), config, mesh)
-    shapes = {("tp", "dec8"): decode_batch(8, ctx, max_pages), ("tp", "dec64"): decode_batch(64, ctx, max_pages),
-              ("sp", "pre2x2048"): prefill_batch(2, prompt, max_pages)}
-    variants = {"nccl": None, "one_shot": {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True}}
-    return _option_variants(smoke, attention, profile, mesh, weights, shapes, variants)
-
-
-def command_buffer_variants(smoke: bool, attention: str, profile: bool) -> dict:
-    """The TP decode step on the engine's mesh ((1, 2)) compiled with XLA's default command
-    buffers, with none, and with every kind (``COMMAND_BUFFER_OPTIONS``): whether the HLO
-    holds command buffers at all, the host time to launch, the wall and device span."""
-    config = big_config(smoke)
-    ctx, max_pages = (64, 8) if smoke else (1024, 260)
-    mesh = make_mesh(1, 2, jax.devices()[:2])
-    weights = shard_params(device_random_params(config, jnp.bfloat16), config, mesh)
-    shapes = {("tp", "dec8"): decode_batch(8, ctx, max_pages), ("tp", "dec64"): decode_batch(64, ctx, max_pages)}
-    variants = {"default": None, "off": {"xla_gpu_enable_command_buffer": ""}, "every_kind": COMMAND_BUFFER_OPTIONS}
-    return _option_variants(smoke, attention, profile, mesh, weights, shapes, variants, sample_in_step=False)
-
-
 def levers(smoke: bool, attention: str, profile: bool) -> dict:
     """Where a TP decode step's launch and GEMM time go, and what SP costs against DP, in one
     part (mesh (2, 1): both modes, as ``serve --sp 2``; steps without the in-step sampler, as
@@ -366,7 +339,7 @@ def levers(smoke: bool, attention: str, profile: bool) -> dict:
                ("sp", "pre4096"): prefill_batch(1, 2 * prompt, 2 * max_pages),
                ("tp", "pre4096"): prefill_batch(1, 2 * prompt, 2 * max_pages)}
     if smoke:
-        decode, prefill = dict(list(decode.items())[:2]), dict(list(prefill.items())[:1])
+        decode, prefill = dict(list(decode.items())[:1]), dict(list(prefill.items())[:1])
     # (cuBLAS with XLA's default command buffers, as measured; EngineConfig.gemm="cublas" adds small graphs)
     cublas = {"xla_gpu_enable_triton_gemm": False}
     one_shot = {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True}
@@ -650,9 +623,7 @@ def main() -> int:
                "correct": lambda: correctness(args.smoke, attention, tuple(args.correct_gemms.split(","))),
                "steps_mesh": lambda: step_table(args.smoke, attention, profile, "mesh"),
                "steps_1gpu": lambda: step_table(args.smoke, attention, profile, "1gpu"),
-               "allreduce": lambda: allreduce_variants(args.smoke, attention, profile),
                "collectives": lambda: collectives(args.smoke),
-               "cmdbuf": lambda: command_buffer_variants(args.smoke, attention, profile),
                "levers": lambda: levers(args.smoke, attention, profile),
                "dummy": lambda: dummy_load(args.smoke),
                "sp_a2a": lambda: sp_all_to_all(args.smoke, attention, profile),

@@ -97,6 +97,8 @@ def main(argv=None) -> int:
     model = args.model
     if args.smoke:
         args.cpu_devices, args.repeats, args.sp = True, 1, 2  # two modes: the policy times every step
+        # one token and one sequence bucket: an executable a mode, each start's path the same
+        args.token_buckets, args.seq_buckets = "64", "4"
         config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96,
                   "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                   "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 128,

@@ -123,7 +123,7 @@ def collectives(dry_run: bool) -> dict:
 
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("x",), devices=jax.devices())
-    sizes = [1 << 20, 4 << 20] if dry_run else [1 << 20, 64 << 20]  # bytes per device
+    sizes = [1 << 20] if dry_run else [1 << 20, 64 << 20]  # bytes per device
     repeats = 2 if dry_run else 20
     out = {"devices": n, "bytes_per_device": sizes, "repeats": repeats, "all_reduce_s": [], "all_to_all_s": [],
            "timer": "host wall clock, median of iterations, best of 3 / repeats"}
@@ -180,7 +180,7 @@ def greedy_tokens(dry_run: bool, attention: str, require_default: bool) -> dict:
         start = time.perf_counter()
         engine = Engine(load(make_mesh(sp, tp, devs)),
                         EngineConfig(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
-                                     token_buckets=(8, 64), seq_buckets=(4,), mode=mode, attention=attention,
+                                     token_buckets=(64,) if dry_run else (8, 64), seq_buckets=(4,), mode=mode, attention=attention,
                                      layer_loop="scan"))
         requests = [engine.add_request(p, greedy) for p in prompts]
         engine.run_until_done(requests)
