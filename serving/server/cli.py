@@ -221,7 +221,9 @@ async def _drain(service, grpc_server, http_server, grace_seconds: float, stop_n
     log.info("draining: health NOT_SERVING, new requests refused, %.0f s for running ones "
              "(a second signal ends the grace)", grace_seconds)
     await grpc_server.begin_drain()
-    aborted = await _grace(service, grace_seconds, stop_now)  # the service's draining flag turns HTTP /health 503
+    aborted = await service.drain(grace_seconds, cut_short=stop_now)  # its draining flag turns HTTP /health 503
+    if stop_now.is_set():
+        log.info("a second signal: the grace ends now")
     if aborted:
         log.warning("%d requests were still running after the grace period; their streams end with an abort",
                     aborted)
@@ -236,20 +238,6 @@ async def _drain(service, grpc_server, http_server, grace_seconds: float, stop_n
         http_server.config.timeout_graceful_shutdown = 1
         http_server.should_exit = True
     await grpc_server.server.stop(0.5)
-
-
-async def _grace(service, grace_seconds: float, stop_now: asyncio.Event) -> int:
-    """The service's drain, cut short by ``stop_now``: then it aborts at once what still
-    runs. Returns how many requests were aborted."""
-    draining = asyncio.ensure_future(service.drain(grace_seconds))
-    second = asyncio.ensure_future(stop_now.wait())
-    await asyncio.wait([draining, second], return_when=asyncio.FIRST_COMPLETED)
-    second.cancel()
-    if draining.done():
-        return draining.result()
-    draining.cancel()  # it was only waiting: nothing aborted yet
-    log.info("a second signal: the grace ends now")
-    return await service.drain(0)
 
 
 def _http_requests(http_server) -> int:

@@ -164,11 +164,11 @@ class DataParallelService:
                 return False
         return True
 
-    async def drain(self, grace_seconds: float | int) -> int:
+    async def drain(self, grace_seconds: float | int, cut_short: asyncio.Event | None = None) -> int:
         """As :meth:`AsyncEngineService.drain`, on every replica at once; returns how many
         requests were aborted in all."""
         self._draining = True
-        return sum(await asyncio.gather(*(r.drain(grace_seconds) for r in self.replicas)))
+        return sum(await asyncio.gather(*(r.drain(grace_seconds, cut_short) for r in self.replicas)))
 
     def shutdown(self, timeout: float | int | None = 30.0) -> None:
         self._draining = True

@@ -181,12 +181,13 @@ class AsyncEngineService:
             return {"model": self.model_name, "ready": False, **self.details}
         return service_info(describe(self.engine), self.model_name, self.stats()) | self.details
 
-    async def drain(self, grace_seconds: float | int) -> int:
+    async def drain(self, grace_seconds: float | int, cut_short: asyncio.Event | None = None) -> int:
         """Takes no new requests (:class:`Unavailable`), lets running ones finish for up to
-        ``grace_seconds``, then aborts the rest; returns how many were aborted."""
+        ``grace_seconds`` (or until ``cut_short`` is set), then aborts the rest; returns how
+        many were aborted."""
         self._draining = True
         deadline = time.monotonic() + grace_seconds
-        while self._live and time.monotonic() < deadline:
+        while self._live and time.monotonic() < deadline and not (cut_short and cut_short.is_set()):
             await asyncio.sleep(0.02)
         with self._wake:
             left = [live for live in self._live.values() if not live.done]
