@@ -125,12 +125,15 @@ def generate_main(argv: list[str]) -> int:
 
     from shiftjax.checkpoints.format import CheckpointError
     from shiftjax.config import ConfigError
+    from shiftjax.serving.engine.grammar import check_grammar
     from shiftjax.serving.engine.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
                                 stop=tuple(args.stop), structured_outputs=_structured_outputs(args))
+        if params.structured_outputs is not None:  # refused before the model loads and compiles
+            check_grammar(params.structured_outputs)
         prompts = list(args.prompts) + [_parse_ids(t) for t in args.prompt_ids]
         start = time.perf_counter()
         llm = build_llm(args)

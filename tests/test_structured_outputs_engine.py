@@ -17,7 +17,7 @@ from shiftjax.layouts.mesh import make_mesh
 from shiftjax.params import random_params
 from shiftjax.serving.engine.core import Engine, EngineConfig
 from shiftjax.serving.engine.errors import InvalidRequest
-from shiftjax.serving.engine.grammar import GrammarCompiler, GrammarState
+from shiftjax.serving.engine.grammar import GrammarCompiler, GrammarState, check_grammar
 from shiftjax.serving.engine.sampling_params import SamplingParams
 from shiftjax.serving.engine.structured_outputs import StructuredOutputs
 from shiftjax.weights import shard_params
@@ -145,6 +145,9 @@ def test_a_constraint_that_does_not_compile_is_refused_naming_it(params, constra
         engine.add_request(prompts()[0], params_for(constraint))
     assert refused.value.field == field
     assert not engine.has_work
+    with pytest.raises(InvalidRequest) as checked:  # the command line's check, with no tokenizer
+        check_grammar(constraint)
+    assert checked.value.field == field and "does not compile" in str(checked.value)
 
 
 @pytest.mark.parametrize("fields, named", [

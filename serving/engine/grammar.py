@@ -126,10 +126,7 @@ class GrammarCompiler:
 
         started = time.perf_counter()
         field = f"structured_outputs.{spec.kind}"
-        try:
-            grammar = _grammar_text(llguidance, spec)
-        except ValueError as error:
-            raise InvalidRequest(field, str(error)) from None
+        grammar = _grammar_or_refusal(llguidance, spec)
         matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequest(field, f"does not compile: {_first_lines(matcher.get_error())}")
@@ -143,6 +140,23 @@ class GrammarCompiler:
                 self._llg_tokenizer = llguidance.LLTokenizer(
                     self._tokenizer_json, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids) or None)
             return self._llg_tokenizer
+
+
+def check_grammar(spec: StructuredOutputs) -> None:
+    """Refuses ``spec`` if it does not compile, as :meth:`GrammarCompiler.compile` would, without
+    a tokenizer: a command line checks its constraint before it loads and compiles a model."""
+    import llguidance
+
+    error = llguidance.LLMatcher.validate_grammar(_grammar_or_refusal(llguidance, spec))
+    if error:
+        raise InvalidRequest(f"structured_outputs.{spec.kind}", f"does not compile: {_first_lines(error)}")
+
+
+def _grammar_or_refusal(llguidance, spec: StructuredOutputs) -> str:
+    try:
+        return _grammar_text(llguidance, spec)
+    except ValueError as error:
+        raise InvalidRequest(f"structured_outputs.{spec.kind}", str(error)) from None
 
 
 def _grammar_text(llguidance, spec: StructuredOutputs) -> str:
