@@ -51,6 +51,8 @@ _LAYER_NAMES = {
     "self_attn.q_proj.bias": ("bq", False),
     "self_attn.k_proj.bias": ("bk", False),
     "self_attn.v_proj.bias": ("bv", False),
+    "self_attn.q_norm.weight": ("q_norm", False),
+    "self_attn.k_norm.weight": ("k_norm", False),
     "mlp.gate_proj.weight": ("w_gate", True),
     "mlp.up_proj.weight": ("w_up", True),
     "mlp.down_proj.weight": ("w_down", True),
@@ -143,7 +145,7 @@ def plan_copies(config: ModelConfig, entries: dict[str, TensorEntry],
         more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
         raise CheckpointError(
             f"unexpected tensors {shown}{more}: config.json ({config.architecture}, "
-            f"{config.num_layers} layers, qkv_bias={config.qkv_bias}, "
+            f"{config.num_layers} layers, qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm}, "
             f"tie_word_embeddings={config.tie_word_embeddings}) has no place for them"
         )
     have = {(c.path, c.layer) for c in copies}

@@ -46,7 +46,7 @@ from shiftjax.layouts import blocks as blk
 from shiftjax.layouts.heads import head_layout
 from shiftjax.layouts.mesh import HEAD_AXES
 from shiftjax.params import Params, param_shapes, params_from_flat, params_to_flat
-from shiftjax.weights import REPLICATED_TENSORS, BlockWeight, ModelWeights, Segment, assemble_weights, block_plan
+from shiftjax.weights import BlockWeight, ModelWeights, Segment, assemble_weights, block_plan, replicated_tensors
 
 WEIGHT_SCALE = 0.02
 
@@ -203,7 +203,7 @@ def dummy_params(config: ModelConfig, *, mesh: Mesh, dtype="bfloat16", seed: int
             spec[cut_axis] = HEAD_AXES
         whole = BlockWeight(name, "vocab", cut_axis, (Segment(name, blk.feature_index(shape[cut_axis], pieces)),))
         flat[name] = make_blocks(whole, shape, NamedSharding(mesh, P(*spec)), tuple(range(pieces)))
-    for name in REPLICATED_TENSORS:
+    for name in replicated_tensors(config):
         flat[name] = make_replicated(name, NamedSharding(mesh, P()))
     return params_from_flat(flat)
 

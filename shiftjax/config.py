@@ -1,8 +1,9 @@
 """Model configuration read from a Hugging Face ``config.json``.
 
 One frozen dataclass covers the Llama family that shiftjax serves: Llama 2, Llama 3/3.x
-(with ``llama3`` RoPE scaling), Mistral without sliding window, Qwen2/2.5 (QKV bias) and
-SmolLM2. Anything else fails at construction with a sentence naming the field.
+(with ``llama3`` RoPE scaling), Mistral without sliding window, Qwen2/2.5 (QKV bias),
+Qwen3 (per-head RMSNorm of q and k before RoPE) and SmolLM2. Anything else fails at
+construction with a sentence naming the field.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
+# transformers' default head_dim where config.json has none (else hidden_size / heads)
+DEFAULT_HEAD_DIM = {"qwen3": 128}
 
 
 class ConfigError(ValueError):
@@ -49,7 +53,7 @@ class Llama3RopeScaling:
 class ModelConfig:
     """The shapes and constants of a Llama-family decoder."""
 
-    architecture: str  # "llama", "mistral" or "qwen2"
+    architecture: str  # "llama", "mistral", "qwen2" or "qwen3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -63,6 +67,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head (weights [head_dim]) before RoPE
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -109,7 +114,7 @@ class ModelConfig:
                 raise ConfigError(f"config.json lacks the field {key!r}")
             return hf[key]
 
-        if architecture in ("mistral", "qwen2"):
+        if architecture in ("mistral", "qwen2", "qwen3"):
             window = hf.get("sliding_window")
             uses_window = hf.get("use_sliding_window", architecture == "mistral")
             max_len = hf.get("max_position_embeddings", 4096)
@@ -118,17 +123,21 @@ class ModelConfig:
                     f"sliding_window={window} is smaller than max_position_embeddings="
                     f"{max_len}; sliding-window attention is not supported"
                 )
+        layer_types = hf.get("layer_types") or []
+        if any(kind != "full_attention" for kind in layer_types):
+            kinds = sorted(set(layer_types) - {"full_attention"})
+            raise ConfigError(f"layer_types={kinds!r}: only full_attention layers are supported")
         if hf.get("mlp_bias"):
             raise ConfigError("mlp_bias=true is not supported")
         if hf.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act={hf['hidden_act']!r} is not supported; expected 'silu'")
-        if architecture in ("llama", "mistral") and hf.get("attention_bias"):
-            # Llama's attention_bias also biases o_proj, which the layout does not carry.
-            raise ConfigError("attention_bias=true (biased o_proj) is not supported for llama")
+        if architecture in ("llama", "mistral", "qwen3") and hf.get("attention_bias"):
+            # Their attention_bias also biases o_proj, which the layout does not carry.
+            raise ConfigError(f"attention_bias=true (biased o_proj) is not supported for {architecture}")
 
         num_heads = need("num_attention_heads")
         hidden_size = need("hidden_size")
-        head_dim = hf.get("head_dim") or hidden_size // num_heads
+        head_dim = hf.get("head_dim") or DEFAULT_HEAD_DIM.get(architecture) or hidden_size // num_heads
         rope_scaling = _read_rope_scaling(hf.get("rope_scaling"), hf)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -150,6 +159,7 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=architecture == "qwen2",
+            qk_norm=architecture == "qwen3",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

@@ -86,15 +86,14 @@ class Context:
         return context
 
 
-def attention_core(
-    qkv: Float[Array, "tokens qkv"],
-    bias: Float[Array, "one qkv"] | None,
-    k_cache, v_cache, layer, ctx: Context,
-):
-    """Bias, RoPE, cache write and paged attention for all tokens of the local head block."""
+def attention_core(qkv: Float[Array, "tokens qkv"], w: LayerWeights, k_cache, v_cache, layer, ctx: Context):
+    """Bias, q/k norms, RoPE, cache write and paged attention for all tokens of the local
+    head block (``w``: the layer's weights; bias ``[1, qkv]``, norms ``[head_dim]``)."""
     dims = ctx.dims
-    if bias is not None:
-        qkv = qkv + bias[0]
+    if w.bqkv is not None:
+        qkv = qkv + w.bqkv[0]
+    if w.q_norm is not None:
+        qkv = qk_normed(qkv, w.q_norm, w.k_norm, dims, ctx.eps)
     tokens = qkv.shape[0]
     q_width = dims.q_heads * dims.head_dim
     q = apply_rope(qkv[:, :q_width].reshape(tokens, dims.q_heads, dims.head_dim), ctx.batch.positions, ctx.inv_freq)
@@ -107,10 +106,25 @@ def attention_core(
     return out.reshape(tokens, q_width), k_cache, v_cache
 
 
+def qk_normed(qkv: Float[Array, "tokens qkv"], q_norm: Float[Array, "head_dim"], k_norm: Float[Array, "head_dim"],
+              dims: LocalDims, eps: float) -> Float[Array, "tokens qkv"]:
+    """Qwen3's per-head RMSNorm of every q and k head (v as it is). Padded heads are zero
+    columns and stay zero; a KV head duplicated over slots is normed alike in each."""
+    tokens, q_heads, kv_slots = qkv.shape[0], dims.q_heads, dims.kv_slots
+    heads = qkv.reshape(tokens, -1, dims.head_dim)
+
+    def normed(part, weight):
+        return rms_norm(part.reshape(-1, dims.head_dim), weight, eps).reshape(part.shape)
+
+    heads = jnp.concatenate([normed(heads[:, :q_heads], q_norm), normed(heads[:, q_heads:q_heads + kv_slots], k_norm),
+                             heads[:, q_heads + kv_slots:]], axis=1)
+    return heads.reshape(tokens, -1)
+
+
 def tp_layer(x, w: LayerWeights, k_cache, v_cache, layer, ctx: Context):
     """One layer in TP mode: all tokens, this device's head block and FFN block."""
     qkv = matmul(normed_for(x, w.attn_norm, w.wqkv, ctx), w.wqkv, ctx)
-    attn, k_cache, v_cache = attention_core(qkv, w.bqkv, k_cache, v_cache, layer, ctx)
+    attn, k_cache, v_cache = attention_core(qkv, w, k_cache, v_cache, layer, ctx)
     x = x + psum_head_axes(matmul(attn, w.wo, ctx), ctx.all_reduce)
     gate_up = matmul(normed_for(x, w.mlp_norm, w.w_gate_up, ctx), w.w_gate_up, ctx)
     act = swiglu_for(gate_up, w.w_down, ctx.dims.ffn, ctx)
@@ -125,7 +139,7 @@ def sp_layer(x, w: LayerWeights, k_cache, v_cache, layer, ctx: Context):
     qkv = _column_blocks(normed_for(x, w.attn_norm, w.wqkv, ctx), w.wqkv, dims.sp, ctx)  # [local_tokens, sp, qkv]
     # One all-to-all for q, k and v: split head blocks over sp, gather all tokens.
     qkv = all_to_all(qkv, SP, 1, ctx.all_to_all, ctx.first_ordinal)
-    attn, k_cache, v_cache = attention_core(qkv[:, 0], w.bqkv, k_cache, v_cache, layer, ctx)
+    attn, k_cache, v_cache = attention_core(qkv[:, 0], w, k_cache, v_cache, layer, ctx)
     # The inverse: split tokens over sp, gather every head block of the TP shard.
     attn = attn.reshape(dims.sp, local_tokens, -1)
     attn = all_to_all(attn, SP, 0, ctx.all_to_all, ctx.first_ordinal)

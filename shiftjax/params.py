@@ -35,6 +35,8 @@ class LayerParams:
     bq: Float[Array, "layers q_features"] | None = None
     bk: Float[Array, "layers kv_features"] | None = None
     bv: Float[Array, "layers kv_features"] | None = None
+    q_norm: Float[Array, "layers head_dim"] | None = None  # Qwen3: every q head's RMSNorm weight
+    k_norm: Float[Array, "layers head_dim"] | None = None
 
 
 @unchecked_init
@@ -68,6 +70,8 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if config.qkv_bias:
         shapes.update({"layers.bq": (n, q), "layers.bk": (n, kv), "layers.bv": (n, kv)})
+    if config.qk_norm:
+        shapes.update({"layers.q_norm": (n, config.head_dim), "layers.k_norm": (n, config.head_dim)})
     if not config.tie_word_embeddings:
         shapes["lm_head"] = (d, config.vocab_size)
     return shapes

@@ -79,6 +79,9 @@ class LayerWeights:
     w_gate_up: object
     w_down: object
     bqkv: jax.Array | None  # [layers, P, qkv], added after the all-to-all in SP mode
+    # [layers, head_dim]: the RMSNorm weights of every q and every k head (Qwen3), replicated
+    q_norm: jax.Array | None = None
+    k_norm: jax.Array | None = None
 
 
 @unchecked_init
@@ -152,7 +155,8 @@ def shard_params(
         lm_head = None if p.lm_head is None else jnp.pad(p.lm_head, ((0, 0), (0, vocab_pad)))
         return dict(wqkv=wqkv, wo=wo, w_gate_up=w_gate_up, w_down=w_down, bqkv=bqkv,
                     embed=embed, lm_head=lm_head, final_norm=p.final_norm,
-                    attn_norm=layers.attn_norm, mlp_norm=layers.mlp_norm)
+                    attn_norm=layers.attn_norm, mlp_norm=layers.mlp_norm,
+                    q_norm=layers.q_norm, k_norm=layers.k_norm)
 
     out_shardings = dict(
         wqkv=blk.block_sharding(mesh, 4), wo=blk.block_sharding(mesh, 4),
@@ -161,6 +165,8 @@ def shard_params(
         embed=NamedSharding(mesh, EMBED_SPEC),
         lm_head=None if params.lm_head is None else NamedSharding(mesh, LM_HEAD_SPEC),
         final_norm=replicated, attn_norm=replicated, mlp_norm=replicated,
+        q_norm=None if params.layers.q_norm is None else replicated,
+        k_norm=None if params.layers.k_norm is None else replicated,
     )
     expanded = jax.jit(expand, out_shardings=out_shardings)(params)
 
@@ -172,7 +178,8 @@ def shard_params(
         return ShardedParams(
             embed=expanded["embed"], final_norm=expanded["final_norm"], lm_head=expanded["lm_head"],
             layers=LayerWeights(attn_norm=expanded["attn_norm"], mlp_norm=expanded["mlp_norm"],
-                                bqkv=expanded["bqkv"], **weights))
+                                bqkv=expanded["bqkv"], q_norm=expanded["q_norm"], k_norm=expanded["k_norm"],
+                                **weights))
 
     return ModelWeights(config=config, layout=layout, dims=dims, mesh=mesh, storage=storage,
                         tp=view(tp_view), sp=view(sp_view), quantization=quantization)
@@ -264,7 +271,10 @@ class BlockWeight:
         return 1 if self.stacked else self.cut_axis
 
 
-REPLICATED_TENSORS = ("final_norm", "layers.attn_norm", "layers.mlp_norm")
+def replicated_tensors(config: ModelConfig) -> tuple[str, ...]:
+    """The canonical tensors every device holds whole (norm weights), in both views."""
+    qk_norms = ("layers.q_norm", "layers.k_norm") if config.qk_norm else ()
+    return ("final_norm", "layers.attn_norm", "layers.mlp_norm", *qk_norms)
 
 
 def block_plan(config: ModelConfig, layout: HeadLayout) -> dict[str, BlockWeight]:
@@ -349,13 +359,14 @@ def assemble_weights(config: ModelConfig, mesh: Mesh, storage: blk.WeightStorage
     if "lm_head" in plan:
         lm_head = blocks_of(plan["lm_head"], NamedSharding(mesh, LM_HEAD_SPEC), all_blocks)
     replicated = NamedSharding(mesh, REPLICATED)
-    norms = {name: make_replicated(name, replicated) for name in REPLICATED_TENSORS}
+    norms = {name: make_replicated(name, replicated) for name in replicated_tensors(config)}
 
     def view(weights):
         return ShardedParams(
             embed=embed, final_norm=norms["final_norm"], lm_head=lm_head,
             layers=LayerWeights(attn_norm=norms["layers.attn_norm"], mlp_norm=norms["layers.mlp_norm"],
-                                bqkv=bqkv, **weights))
+                                bqkv=bqkv, q_norm=norms.get("layers.q_norm"), k_norm=norms.get("layers.k_norm"),
+                                **weights))
 
     return ModelWeights(config=config, layout=layout, dims=local_dims(config, layout), mesh=mesh,
                         storage=storage, tp=view(tp_view), sp=view(sp_view), quantization=quantization)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-KINDS = ("llama", "qwen2", "tied")
+KINDS = ("llama", "qwen2", "qwen3", "tied")
 
 
 def make_tiny_hf_checkpoint(
@@ -33,8 +33,9 @@ def make_tiny_hf_checkpoint(
 ):
     """Saves a tiny random float32 model to ``tmp_dir`` and returns ``(dir, hf_model)``.
 
-    kind: ``"llama"`` (Llama 3 RoPE scaling, untied lm_head), ``"qwen2"`` (QKV bias, untied)
-    or ``"tied"`` (Llama with the lm_head tied to the embedding). ``num_shards > 1`` writes
+    kind: ``"llama"`` (Llama 3 RoPE scaling, untied lm_head), ``"qwen2"`` (QKV bias, untied),
+    ``"qwen3"`` (q/k norms, a head_dim that is not hidden_size / heads, tied as the small
+    Qwen3 models are) or ``"tied"`` (Llama with the lm_head tied to the embedding). ``num_shards > 1`` writes
     ``model.safetensors.index.json`` and that many shards instead of one file.
     ``with_tokenizer`` adds a tiny word-level ``tokenizer.json`` and a
     ``tokenizer_config.json`` with a chat template.
@@ -64,6 +65,12 @@ def make_tiny_hf_checkpoint(
         )
         config.architectures = ["Qwen2ForCausalLM"]
         model_class = transformers.Qwen2ForCausalLM
+    elif kind == "qwen3":
+        config = transformers.Qwen3Config(
+            **common, head_dim=hidden_size // num_heads + 8, rope_theta=1000000.0, tie_word_embeddings=True,
+            use_sliding_window=False)
+        config.architectures = ["Qwen3ForCausalLM"]
+        model_class = transformers.Qwen3ForCausalLM
     else:
         rope = dict(rope_theta=10000.0)
         if kind == "llama":

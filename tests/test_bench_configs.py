@@ -28,6 +28,20 @@ def test_llama31_configs(name, hidden, intermediate, layers, heads):
     assert scaling.original_max_position_embeddings == 8192
 
 
+@pytest.mark.parametrize(
+    "name, hidden, intermediate, layers, heads",
+    [("Qwen3-8B", 4096, 12288, 36, 32), ("Qwen3-32B", 5120, 25600, 64, 64)],
+)
+def test_qwen3_configs(name, hidden, intermediate, layers, heads):
+    config = ModelConfig.from_json_file(CONFIGS / name / "config.json")
+    assert config.architecture == "qwen3" and config.qk_norm and not config.qkv_bias
+    assert (config.hidden_size, config.intermediate_size, config.num_layers) == (hidden, intermediate, layers)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (heads, 8, 128)
+    assert config.vocab_size == 151936 and config.max_position_embeddings == 40960
+    assert (config.rope_theta, config.rope_scaling, config.rms_norm_eps) == (1e6, None, 1e-6)
+    assert config.tie_word_embeddings is False
+
+
 COMPARE = CONFIGS / "compare"
 
 

@@ -30,6 +30,30 @@ def test_qwen2_has_qkv_bias_and_mistral_without_window_is_accepted():
     assert ModelConfig.from_hf_dict(mistral).architecture == "mistral"
 
 
+def test_qwen3_has_qk_norms_and_its_default_head_dim():
+    qwen3 = LLAMA | {"architectures": ["Qwen3ForCausalLM"], "rope_scaling": None, "head_dim": 128,
+                     "hidden_size": 2048, "num_attention_heads": 32, "use_sliding_window": False,
+                     "sliding_window": None, "layer_types": ["full_attention"] * 32}
+    config = ModelConfig.from_hf_dict(qwen3)
+    assert (config.architecture, config.qk_norm, config.qkv_bias, config.head_dim) == ("qwen3", True, False, 128)
+    # transformers' Qwen3Config defaults head_dim to 128, not hidden_size / heads (64 here)
+    assert ModelConfig.from_hf_dict({k: v for k, v in qwen3.items() if k != "head_dim"}).head_dim == 128
+    assert not ModelConfig.from_hf_dict(LLAMA).qk_norm
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"attention_bias": True}, "attention_bias"),
+    ({"use_sliding_window": True, "sliding_window": 4096}, "sliding_window"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+     "rope_type"),
+])
+def test_qwen3_fields_it_cannot_serve_are_refused_by_name(change, field):
+    qwen3 = LLAMA | {"architectures": ["Qwen3ForCausalLM"], "rope_scaling": None} | change
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig.from_hf_dict(qwen3)
+
+
 @pytest.mark.parametrize("change,field", [
     ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
     ({"num_key_value_heads": 5}, "num_key_value_heads"),

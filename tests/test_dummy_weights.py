@@ -27,6 +27,9 @@ from shiftjax.weights import block_plan, shard_params
 
 SMOL = ModelConfig.from_hf_dict(SMOL_HF)
 QWEN = ModelConfig.from_hf_dict(QWEN_HF)
+# Qwen3: q/k norm weights, replicated beside the other norms
+QWEN3 = ModelConfig.from_hf_dict(QWEN_HF | {"architectures": ["Qwen3ForCausalLM"], "head_dim": 12})
+CONFIGS = {"smol": SMOL, "qwen": QWEN, "qwen3": QWEN3}
 
 
 @pytest.fixture(scope="module")
@@ -34,17 +37,17 @@ def canonical():
     """The dummy models' canonical form, made on one device and brought to the host."""
     one = make_mesh(1, 1)
     return {name: jax.device_get(dummy.dummy_params(config, mesh=one, dtype="float32"))
-            for name, config in (("smol", SMOL), ("qwen", QWEN))}
+            for name, config in CONFIGS.items()}
 
 
 @pytest.mark.parametrize("name,sp,tp,storage", [
     ("smol", 1, 1, "aliased"), ("smol", 2, 2, "aliased"), ("smol", 4, 2, "aliased"),
-    ("qwen", 1, 4, "aliased"), ("qwen", 2, 2, "two_copies"),
+    ("qwen", 1, 4, "aliased"), ("qwen", 2, 2, "two_copies"), ("qwen3", 4, 2, "aliased"),
 ])
 def test_dummy_weights_are_their_canonical_form_expanded(canonical, name, sp, tp, storage):
     """Bit-identical to ``shard_params`` of the canonical dummy model: padded heads and FFN
     columns are zero, duplicated KV heads equal, and the model is the same on every mesh."""
-    config = {"smol": SMOL, "qwen": QWEN}[name]
+    config = CONFIGS[name]
     mesh = make_mesh(sp, tp)
     made = dummy.dummy_weights(config, mesh=mesh, dtype="float32", weight_storage=storage)
     assert_same_weights(made, shard_params(canonical[name], config, mesh, storage))

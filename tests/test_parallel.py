@@ -25,21 +25,23 @@ from shiftjax.params import random_params
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1), (2, 2)]
 
 
-def tiny(num_heads, num_kv_heads, *, qkv_bias=False, tie=False, ffn=96):
+def tiny(num_heads, num_kv_heads, *, qkv_bias=False, qk_norm=False, tie=False, ffn=96):
+    architecture = "qwen2" if qkv_bias else "qwen3" if qk_norm else "llama"
     return ModelConfig(
-        architecture="qwen2" if qkv_bias else "llama", vocab_size=120, hidden_size=64,
+        architecture=architecture, vocab_size=120, hidden_size=64,
         intermediate_size=ffn, num_layers=2, num_heads=num_heads, num_kv_heads=num_kv_heads,
-        head_dim=16, qkv_bias=qkv_bias, tie_word_embeddings=tie, max_position_embeddings=64)
+        head_dim=16, qkv_bias=qkv_bias, qk_norm=qk_norm, tie_word_embeddings=tie, max_position_embeddings=64)
 
 
 # Between them the configs cover, on the meshes above: H divisible by P (16 heads), H not
 # divisible by P (9 heads like SmolLM2, 4 heads at P = 8), n_kv_heads < P (3 and 1 KV
-# heads), n_kv_heads = 1, QKV bias, tied embeddings, and vocabulary and FFN sizes that
-# need padding at P = 8 (120, 100).
+# heads), n_kv_heads = 1, QKV bias, Qwen3's q/k norms (over padded heads and a KV head
+# duplicated into every block), tied embeddings, and vocabulary and FFN sizes that need
+# padding at P = 8 (120, 100).
 CONFIGS = {
     "16_heads_8_kv": tiny(16, 8),
     "9_heads_3_kv_bias": tiny(9, 3, qkv_bias=True, ffn=100),
-    "4_heads_1_kv_tied": tiny(4, 1, tie=True),
+    "4_heads_1_kv_tied_qk_norm": tiny(4, 1, qk_norm=True, tie=True),
 }
 
 
@@ -81,12 +83,15 @@ def shard_checked_steps(monkeypatch):
 
 def transformers_model(params, config: ModelConfig):
     """A transformers Llama with these canonical weights (QKV bias as ``attention_bias``
-    with a zero o_proj bias), the oracle for the single-device model."""
+    with a zero o_proj bias), or a Qwen3 for q/k norms: the oracle for the single-device model."""
     import transformers
 
     # transformers refuses a hidden size that the head count does not divide (64 and 9
     # heads) even with head_dim given; the head counts are set after its check.
-    hf_config = transformers.LlamaConfig(
+    config_class, model_class = transformers.LlamaConfig, transformers.LlamaForCausalLM
+    if config.qk_norm:
+        config_class, model_class = transformers.Qwen3Config, transformers.Qwen3ForCausalLM
+    hf_config = config_class(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
         num_attention_heads=1, num_key_value_heads=1, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
@@ -94,7 +99,7 @@ def transformers_model(params, config: ModelConfig):
         max_position_embeddings=config.max_position_embeddings,
         tie_word_embeddings=config.tie_word_embeddings, attention_bias=config.qkv_bias)
     hf_config.num_attention_heads, hf_config.num_key_value_heads = config.num_heads, config.num_kv_heads
-    model = transformers.LlamaForCausalLM(hf_config).to(torch.float32).eval()
+    model = model_class(hf_config).to(torch.float32).eval()
     t = lambda x: torch.tensor(np.asarray(x, np.float32))  # noqa: E731
     state = {"model.embed_tokens.weight": t(params.embed), "model.norm.weight": t(params.final_norm)}
     state["lm_head.weight"] = t(params.embed if params.lm_head is None else np.asarray(params.lm_head).T)
@@ -102,14 +107,14 @@ def transformers_model(params, config: ModelConfig):
              "wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
              "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj",
              "w_down": "mlp.down_proj", "bq": "self_attn.q_proj", "bk": "self_attn.k_proj",
-             "bv": "self_attn.v_proj"}
+             "bv": "self_attn.v_proj", "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
     for layer in range(config.num_layers):
         for field, module in names.items():
             value = getattr(params.layers, field)
             if value is None:
                 continue
             value = np.asarray(value[layer])
-            kind = "bias" if field.startswith("b") else "weight"
+            kind = "bias" if field in ("bq", "bk", "bv") else "weight"
             state[f"model.layers.{layer}.{module}.{kind}"] = t(value.T if value.ndim == 2 else value)
         if config.qkv_bias:
             state[f"model.layers.{layer}.self_attn.o_proj.bias"] = torch.zeros(config.hidden_size)

@@ -19,7 +19,7 @@ from shiftjax.config import ModelConfig
 from shiftjax.layouts.mesh import make_mesh
 from shiftjax.params import param_shapes, random_params
 from shiftjax.layouts.heads import head_layout
-from shiftjax.weights import REPLICATED_TENSORS, block_plan, shard_params
+from shiftjax.weights import block_plan, replicated_tensors, shard_params
 
 # 9 query heads over 3 KV heads (SmolLM2's pattern: padded heads at every P > 1, GQA groups
 # straddling blocks, KV heads duplicated at P = 4 and 8); odd vocabulary and FFN sizes, so
@@ -31,7 +31,9 @@ SMOL_HF = dict(architectures=["LlamaForCausalLM"], vocab_size=99, hidden_size=24
 QWEN_HF = dict(architectures=["Qwen2ForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=48,
                num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
                tie_word_embeddings=False)
-CONFIGS = {"smol": SMOL_HF, "qwen": QWEN_HF}
+# Qwen3: its q/k norm weights restored whole beside the other norms (one mesh is enough)
+QWEN3_HF = QWEN_HF | dict(architectures=["Qwen3ForCausalLM"], head_dim=12)
+CONFIGS = {"smol": SMOL_HF, "qwen": QWEN_HF, "qwen3": QWEN3_HF}
 MESHES = [(1, 1), (2, 2), (1, 4), (4, 2)]
 
 
@@ -91,8 +93,8 @@ def old_path(path, mesh, dtype, storage="aliased"):
     return shard_params(params, config, mesh, storage)
 
 
-@pytest.mark.parametrize("sp,tp", MESHES)
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name,sp,tp", [(name, *mesh) for name in ("smol", "qwen") for mesh in MESHES]
+                         + [("qwen3", 4, 2)])
 def test_restore_is_bit_identical_to_the_old_path(checkpoints, name, sp, tp):
     mesh = make_mesh(sp, tp)
     config, new = restore_weights(checkpoints[name], mesh=mesh, dtype="float32")
@@ -130,7 +132,7 @@ def test_each_block_reads_only_its_rows(checkpoints, sp, tp):
     widths = {segment.tensor: segment.index.shape[1] for weight in plan.values() for segment in weight.segments}
     # Only norms are read whole; every other read is a slice along the cut axis, no wider
     # than the block it fills.
-    assert {name for name, axis, *_ in reader.reads if axis is None} == set(REPLICATED_TENSORS)
+    assert {name for name, axis, *_ in reader.reads if axis is None} == set(replicated_tensors(config))
     for name, axis, start, stop in reader.reads:
         if axis is not None:
             assert 0 < stop - start <= widths[name], (name, start, stop)
@@ -163,7 +165,7 @@ def test_devices_receive_only_their_blocks(checkpoints, monkeypatch):
     monkeypatch.undo()
 
     shapes = param_shapes(config)
-    assert sorted(replicated_puts) == sorted(shapes[name] for name in REPLICATED_TENSORS)
+    assert sorted(replicated_puts) == sorted(shapes[name] for name in replicated_tensors(config))
     held = held_bytes_per_device(weights)
     assert received == held
     # Aliased storage: each device holds sp blocks of every layer weight (its TP shard) and
