@@ -14,12 +14,12 @@ the test run's two workers share them.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from subprocess_env import environ_without_device_count
 
 from shiftjax.serving.engine.engine_args import default_compilation_cache_dir
 
@@ -43,7 +43,7 @@ SLOW = {"shift_x2.py", "x8_checks.py", "served.py"}  # a minute or more of wall 
 def run(cmd, env_extra=None, timeout=900, cwd=ROOT, compilation_cache=True):
     """``cmd`` on the CPU; ``compilation_cache``: with the test run's persistent XLA
     compilation cache (tests/conftest.py's), so that what one run compiles the next loads."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # no 8-device flag of conftest
+    env = environ_without_device_count()  # no 8-device flag of conftest
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     if compilation_cache:
         env.update(JAX_COMPILATION_CACHE_DIR=str(default_compilation_cache_dir()),

@@ -1,12 +1,12 @@
 """The `shiftjax generate` command, run as a user runs it (a subprocess), on the default model."""
 
 import json
-import os
 import re
 import subprocess
 import sys
 
 import pytest
+from subprocess_env import environ_without_device_count
 
 SMALL = ["--max-model-len", "64", "--max-num-batched-tokens", "32", "--token-buckets", "8,32",
          "--seq-buckets", "2", "--max-tokens", "12", "--json"]
@@ -14,7 +14,7 @@ PROMPTS = ["--prompt-ids", "1,504,3575,282,4649,314", "--prompt-ids", "1,378,134
 
 
 def shiftjax(*args, timeout=900):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = {k: v for k, v in environ_without_device_count().items() if k != "JAX_PLATFORMS"}
     return subprocess.run([sys.executable, "-m", "shiftjax.serving.cli", *args], capture_output=True,
                           text=True, timeout=timeout, env=env)
 

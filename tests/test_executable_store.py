@@ -3,12 +3,14 @@ them, runs them to the same tokens, and misses on any change to what the lowerin
 depends on; a damaged entry is compiled again, never trusted."""
 
 import json
+import shutil
 import subprocess
 import sys
 
 import jax
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
+from subprocess_env import CPU_CODEGEN_FLAGS
 
 from shiftjax.cache import CacheGeometry
 from shiftjax.config import ModelConfig
@@ -65,6 +67,24 @@ def lowered_steps(monkeypatch):
     return seen
 
 
+@pytest.fixture(scope="module")
+def cold_store(weights, tmp_path_factory):
+    """A store one cold engine filled, and that engine: tests that start from a filled store
+    copy it (``filled_store``) rather than each compiling the same steps again."""
+    store = tmp_path_factory.mktemp("cold") / "store"
+    engine = Engine(weights, EngineConfig(**OPTIONS, executable_store=str(store)))
+    assert engine.executables.loaded_from_store == 0
+    return store, engine
+
+
+@pytest.fixture
+def filled_store(cold_store, tmp_path):
+    """A copy of ``cold_store``'s entries, this test's to change: (its path, the cold engine)."""
+    store = tmp_path / "store"
+    shutil.copytree(cold_store[0], store)
+    return store, cold_store[1]
+
+
 def step_entries(store):
     return sorted(p for p in store.glob("*.executable") if not p.name.startswith("sampler-"))
 
@@ -103,10 +123,8 @@ def test_a_warm_start_loads_every_step_and_runs_it_the_same(weights, tmp_path, l
     assert old.is_deleted()
 
 
-def test_any_change_to_what_the_lowering_depends_on_is_a_miss(weights, tmp_path, lowered_steps, monkeypatch):
-    store = str(tmp_path / "store")
-    Engine(weights, EngineConfig(**OPTIONS, executable_store=store))
-    lowered_steps.clear()
+def test_any_change_to_what_the_lowering_depends_on_is_a_miss(weights, filled_store, lowered_steps, monkeypatch):
+    store = str(filled_store[0])
     # a step option: the result width
     narrower = Engine(weights, EngineConfig(**OPTIONS | {"max_top_logprobs": 0}, executable_store=store))
     assert narrower.executables.loaded_from_store == 0 and len(lowered_steps) == 4
@@ -136,9 +154,8 @@ def test_any_change_to_what_the_lowering_depends_on_is_a_miss(weights, tmp_path,
     assert executable_store.step_key(weights, caches, options, **key | {"num_seqs": 1}) != base
 
 
-def test_a_damaged_entry_is_compiled_again(weights, tmp_path, lowered_steps):
-    store = tmp_path / "store"
-    Engine(weights, EngineConfig(**OPTIONS, executable_store=str(store)))
+def test_a_damaged_entry_is_compiled_again(weights, filled_store, lowered_steps):
+    store = filled_store[0]
     victim = step_entries(store)[0]
     victim.write_bytes(victim.read_bytes()[:100])  # truncated
     lowered_steps.clear()
@@ -185,7 +202,8 @@ print(json.dumps([engine.executables.loaded_from_store, engine.executables.cache
 def child(store, xla_cache=""):
     """A fresh process's engine on the store: (loaded from it, XLA cache hits, tokens)."""
     proc = subprocess.run([sys.executable, "-c", CHILD, str(store), str(xla_cache)], capture_output=True,
-                          text=True, timeout=300, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+                          text=True, timeout=300,
+                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "XLA_FLAGS": CPU_CODEGEN_FLAGS})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -213,12 +231,10 @@ def test_an_executable_from_the_compilation_cache_is_not_stored(tmp_path):
     assert (loaded, hits) == (0, 4) and tokens == cold_tokens
 
 
-def test_a_stored_executable_that_fails_when_run_is_compiled_again(weights, tmp_path, lowered_steps, monkeypatch):
+def test_a_stored_executable_that_fails_when_run_is_compiled_again(weights, filled_store, lowered_steps, monkeypatch):
     """Loading is not enough (an executable re-serialized from JAX's cache loaded and then
     failed on its first call): the engine runs every stored step once at start."""
-    store = str(tmp_path / "store")
-    cold = Engine(weights, EngineConfig(**OPTIONS, executable_store=store))
-    lowered_steps.clear()
+    store, cold = str(filled_store[0]), filled_store[1]
 
     class Broken:
         def __call__(self, *args):
@@ -242,10 +258,10 @@ def test_a_stored_executable_that_fails_when_run_is_compiled_again(weights, tmp_
     assert tokens(engine)[0] == tokens(cold)[0]
 
 
-def test_a_stored_sampler_samples_as_compiled_and_one_that_fails_is_compiled_again(weights, tmp_path, monkeypatch):
+def test_a_stored_sampler_samples_as_compiled_and_one_that_fails_is_compiled_again(weights, filled_store, monkeypatch):
     """Samplers are stored too (a warm start compiles nothing); one loaded from the store
     samples what the compiled one does, and one that fails when run is compiled again."""
-    store = str(tmp_path / "store")
+    store, cold = str(filled_store[0]), filled_store[1]
     sampled = SamplingParams(max_tokens=8, temperature=0.9, top_k=20, seed=11, logprobs=True, top_logprobs=2)
 
     def samples(engine):
@@ -253,7 +269,6 @@ def test_a_stored_sampler_samples_as_compiled_and_one_that_fails_is_compiled_aga
         engine.run_until_done(requests)
         return [(r.output_ids, r.output_top_logprobs) for r in requests]
 
-    cold = Engine(weights, EngineConfig(**OPTIONS, executable_store=store))
     warm = Engine(weights, EngineConfig(**OPTIONS, executable_store=store))
     assert warm.samplers.loaded_from_store == 2
     assert samples(warm) == samples(cold)

@@ -1,11 +1,11 @@
 """The same code on a mesh whose devices belong to two processes (gloo CPU collectives)."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+from subprocess_env import environ_without_device_count
 from hf_tiny import make_tiny_hf_checkpoint
 
 from shiftjax.checkpoints import convert_hf_checkpoint
@@ -17,7 +17,7 @@ ARGS = ["--sp", "2", "--tp", "4", "--mode", "alternate", "--max-tokens", "8", "-
 
 
 def start(*args):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = {k: v for k, v in environ_without_device_count().items() if k != "JAX_PLATFORMS"}
     return subprocess.Popen([sys.executable, "-m", "shiftjax.serving.cli", "generate", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 

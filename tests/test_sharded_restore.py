@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from subprocess_env import environ_without_device_count
 
 from shiftjax.checkpoints.dummy import write_checkpoint
 from shiftjax.checkpoints.format import PARAMS_DIR
@@ -189,7 +190,7 @@ def test_restore_gpu_script_smoke(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script sets its own
+    env = environ_without_device_count()  # the script sets its own device count
     proc = subprocess.run([sys.executable, "benchmarks/restore_gpu.py", "--smoke", "--out", str(tmp_path)],
                           cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
