@@ -22,7 +22,7 @@ from shiftjax.layouts import blocks as blk
 from shiftjax.layouts.heads import HeadLayout, head_layout
 from shiftjax.layouts.mesh import SP, TP
 from shiftjax.layouts.specs import EMBED_SPEC, LM_HEAD_SPEC, REPLICATED
-from shiftjax.params import Params, param_shapes
+from shiftjax.params import Params, param_shapes, params_from_flat
 from shiftjax.pytrees import unchecked_init
 from shiftjax.quantization import Fp8Weight, check_quantization, empty_fp8_blocks, quantize_blocks
 
@@ -370,3 +370,45 @@ def assemble_weights(config: ModelConfig, mesh: Mesh, storage: blk.WeightStorage
 
     return ModelWeights(config=config, layout=layout, dims=local_dims(config, layout), mesh=mesh,
                         storage=storage, tp=view(tp_view), sp=view(sp_view), quantization=quantization)
+
+
+def canonical_params(weights: ModelWeights) -> Params:
+    """The canonical parameters ``weights`` were expanded from (the inverse of
+    :func:`shard_params`), made on the devices from the TP view: each canonical column or row
+    is read from the first block that holds it (a KV head duplicated over blocks is the same
+    in each; padding is dropped). FP8 weights are refused: their canonical form is not kept."""
+    if weights.quantization != "none":
+        raise ValueError(f"the canonical form of {weights.quantization} weights is not kept; "
+                         "load the checkpoint they were quantized from instead")
+    config, view = weights.config, weights.tp
+    layers = view.layers
+    arrays = {"layers.wqkv": layers.wqkv, "layers.wo": layers.wo, "layers.w_gate_up": layers.w_gate_up,
+              "layers.w_down": layers.w_down, "layers.bqkv": layers.bqkv, "embed": view.embed,
+              "lm_head": view.lm_head}
+    flat = {}
+    for name, weight in block_plan(config, weights.layout).items():
+        offset = 0
+        for segment in weight.segments:
+            flat[segment.tensor] = _segment_of(arrays[name], weight, segment, offset)
+            offset += segment.index.shape[1]
+    replicated = {"final_norm": view.final_norm, "layers.attn_norm": layers.attn_norm,
+                  "layers.mlp_norm": layers.mlp_norm, "layers.q_norm": layers.q_norm, "layers.k_norm": layers.k_norm}
+    flat.update({name: replicated[name] for name in replicated_tensors(config)})
+    return params_from_flat(flat)
+
+
+def _segment_of(array: jax.Array, weight: BlockWeight, segment: Segment, offset: int) -> jax.Array:
+    """The canonical tensor of ``segment`` out of the global block array ``array``."""
+    blocks, width = segment.index.shape
+    first = {}  # canonical position -> its first place in the blocks, as block * weight.width + column
+    for block in range(blocks):
+        for column, position in enumerate(segment.index[block]):
+            if position >= 0 and position not in first:
+                first[int(position)] = block * weight.width + offset + column
+    places = np.array([first[position] for position in range(len(first))], np.int32)
+    if weight.stacked:  # [layers, P, ...]: the block axis next to the cut one, then merged with it
+        cut = weight.cut_axis + 1
+        merged = jnp.moveaxis(array, 1, cut - 1)
+        shape = merged.shape
+        array = merged.reshape(*shape[:cut - 1], shape[cut - 1] * shape[cut], *shape[cut + 1:])
+    return jnp.take(array, places, axis=weight.cut_axis)

@@ -42,6 +42,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+import jax
 import numpy as np
 
 from shiftjax.serving.engine import builder
@@ -212,6 +213,8 @@ class Engine:
         whose structured outputs do not compile. ``grammar``: ``params.structured_outputs``
         compiled already (:meth:`compile_grammar`, on another thread: the service's front
         ends keep compiling off the step loop); else it is compiled here (or found cached)."""
+        if self.asleep:
+            raise RuntimeError("the engine is asleep (its KV cache is freed): wake it up first")
         state = None
         if params.structured_outputs is not None:
             if grammar is None:
@@ -220,6 +223,55 @@ class Engine:
                 raise ValueError("the compiled grammar given is not the request's structured_outputs")
             state = GrammarState(grammar)
         return self.scheduler.add(prompt_ids, params, self.eos_token_ids, cache_salt, state)
+
+    def replace_weights(self, weights: ModelWeights) -> None:
+        """Serves ``weights`` from the next step. They must be laid out as the weights served
+        now (model, mesh, storage, quantization, and every array's shape, dtype and sharding),
+        so each compiled step takes them as it took the old ones: nothing is compiled. Refused
+        while requests are queued or running; the prefix cache is dropped (its pages hold K/V
+        the old weights computed)."""
+        self._refuse_while_busy("replacing the weights")
+        old = self.weights
+        for name in ("config", "layout", "mesh", "storage", "quantization"):
+            if getattr(weights, name) != getattr(old, name):
+                raise ValueError(f"the new weights' {name} differs from the served weights'")
+        for (path, new_leaf), old_leaf in zip(jax.tree_util.tree_leaves_with_path((weights.tp, weights.sp)),
+                                              jax.tree.leaves((old.tp, old.sp))):
+            if ((new_leaf.shape, new_leaf.dtype) != (old_leaf.shape, old_leaf.dtype)
+                    or not new_leaf.sharding.is_equivalent_to(old_leaf.sharding, new_leaf.ndim)):
+                raise ValueError(f"{jax.tree_util.keystr(path)}: {new_leaf.shape} {new_leaf.dtype} "
+                                 f"{new_leaf.sharding}, served as {old_leaf.shape} {old_leaf.dtype} {old_leaf.sharding}")
+        self.weights = self.runner.weights = weights
+        self.scheduler.prefix_cache.forget()
+
+    @property
+    def asleep(self) -> bool:
+        """Whether :meth:`free_caches` left the engine without a KV cache."""
+        return self.runner.caches is None
+
+    def free_caches(self) -> int:
+        """Frees the KV cache's device memory (and so the prefix cache); returns the bytes it
+        held over all devices. Requests are refused until :meth:`restore_caches`."""
+        self._refuse_while_busy("freeing the KV cache")
+        caches = self.runner.caches
+        if caches is None:
+            return 0
+        leaves = jax.tree.leaves(caches)
+        freed = sum(leaf.nbytes for leaf in leaves)
+        self.runner.caches = None
+        for leaf in leaves:
+            leaf.delete()
+        self.scheduler.prefix_cache.forget()
+        return freed
+
+    def restore_caches(self) -> None:
+        """A fresh KV cache of the same pages, after :meth:`free_caches` (nothing recompiles)."""
+        if self.runner.caches is None:
+            self.runner.caches = jax.block_until_ready(self.runner.allocate_caches())
+
+    def _refuse_while_busy(self, what: str) -> None:
+        if self.has_work or self._in_flight is not None:
+            raise RuntimeError(f"{what} needs an idle engine: finish or abort its requests first")
 
     def compile_grammar(self, params: SamplingParams) -> CompiledGrammar:
         """``params.structured_outputs`` compiled (cached); thread-safe. :class:`InvalidRequest`

@@ -8,6 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from shiftjax.checkpoints.default_model import default_model_path
 from shiftjax.checkpoints.load import load_tokenizer, load_weights, tokenizer_path_for
@@ -18,7 +21,9 @@ from shiftjax.serving.engine.output_processor import OutputProcessor
 from shiftjax.serving.engine.sampling_params import SamplingParams
 from shiftjax.serving.engine.request import Request
 from shiftjax.serving.engine.speculative import SpeculativeConfig
+from shiftjax.params import Params, param_shapes, params_from_flat, params_to_flat
 from shiftjax.quantization import describe as describe_quantization
+from shiftjax.weights import ModelWeights, canonical_params, shard_params
 
 
 @dataclasses.dataclass
@@ -72,10 +77,80 @@ class LLM:
             engine_options["speculative"] = SpeculativeConfig(**engine_options["speculative"])
         self.engine = Engine(self.weights, EngineConfig(**engine_options), eos_token_ids=eos, report=report,
                              grammar_compiler=grammars)
+        self._host_weights: Params | None = None  # the weights while asleep at level 2
 
     @property
     def compile_seconds(self) -> float:
         return self.engine.compile_seconds
+
+    # --- weights in and out, and device memory between rollouts (a training loop's needs) ---
+
+    def get_weights(self) -> Params:
+        """The served weights as canonical parameters (the checkpoint's layout, ``x @ w``,
+        layers stacked), made on the devices from the stored blocks."""
+        if self._host_weights is not None:
+            return self._host_weights
+        return canonical_params(self.weights)
+
+    def update_weights(self, params: Params | dict[str, jax.Array | np.ndarray]) -> None:
+        """Serves ``params`` from the next request, without compiling: a whole ``Params`` (as
+        :meth:`get_weights` gives, e.g. after a training step), or a dict of some of its leaves
+        by path (``{"layers.wq": ..., "lm_head": ...}``, the others kept). Each leaf must have
+        the served shape and dtype (a mismatch is refused naming the leaf). The blocks are
+        re-laid on the devices (the old ones are freed after, so both are held for a moment);
+        the prefix cache is dropped. Refused while requests run or while asleep."""
+        if self.engine.asleep:
+            raise RuntimeError("update_weights needs an awake engine: call wake_up() first")
+        flat = dict(params) if isinstance(params, dict) else params_to_flat(params)
+        shapes = param_shapes(self.config)
+        unknown = sorted(set(flat) - set(shapes))
+        if unknown:
+            raise ValueError(f"{unknown[0]}: not a parameter of this model (its leaves: {', '.join(shapes)})")
+        dtype = jnp.dtype(self.weights.tp.final_norm.dtype)
+        for path, array in flat.items():
+            if tuple(array.shape) != shapes[path] or jnp.dtype(array.dtype) != dtype:
+                raise ValueError(f"{path}: got {tuple(array.shape)} {jnp.dtype(array.dtype).name}, "
+                                 f"the model has {shapes[path]} {dtype.name}")
+        devices = set(self.mesh.devices.flat)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        # arrays committed to other devices (a checkpoint restored on one, a trainer's mesh)
+        # come over whole; those on this mesh's devices are re-laid where they are
+        flat = {path: jax.device_put(array, replicated)
+                if isinstance(array, jax.Array) and array.sharding.device_set != devices else array
+                for path, array in flat.items()}
+        if len(flat) < len(shapes):
+            if self.weights.quantization != "none":
+                raise ValueError("FP8 weights are updated whole: give every leaf")
+            flat = params_to_flat(canonical_params(self.weights)) | flat
+        new = shard_params(params_from_flat(flat), self.config, self.mesh, self.weights.storage,
+                           self.weights.quantization)
+        old = self.weights
+        self.engine.replace_weights(new)
+        self.weights = new
+        _delete_weights(old, keep=new)
+
+    def sleep(self, level: int = 1) -> int:
+        """Frees device memory between rollouts; returns the bytes freed over all devices.
+        Level 1 frees the KV cache (and the prefix cache); level 2 also the weights, kept on
+        the host until :meth:`wake_up` (or replaced by :meth:`update_weights` after it).
+        Compiled steps are kept either way. Refused while requests run."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if level == 2 and self.weights.quantization != "none":
+            raise ValueError("sleep(2) keeps canonical weights on the host, which FP8 weights do not have")
+        freed = self.engine.free_caches()
+        if level == 2 and self._host_weights is None:
+            self._host_weights = jax.device_get(canonical_params(self.weights))
+            freed += _delete_weights(self.weights)
+        return freed
+
+    def wake_up(self) -> None:
+        """Undoes :meth:`sleep`: the weights back on the devices (level 2) and a fresh KV cache."""
+        if self._host_weights is not None:
+            self.weights = shard_params(self._host_weights, self.config, self.mesh, self.weights.storage)
+            self.engine.weights = self.engine.runner.weights = self.weights
+            self._host_weights = None
+        self.engine.restore_caches()
 
     def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
         if chat:
@@ -140,3 +215,21 @@ class LLM:
 
         self.engine.run_until_done(requests, on_step=deltas)
         return {r: ("".join(pieces[r]), outputs[r]) for r in requests}
+
+
+def _delete_weights(weights: ModelWeights, keep: ModelWeights | None = None) -> int:
+    """Frees ``weights``' device buffers (the two views share the aliased blocks: each buffer
+    once), except those ``keep`` still uses; returns the bytes freed."""
+    kept = {id(leaf) for leaf in jax.tree.leaves((keep.tp, keep.sp))} if keep is not None else set()
+    freed, seen = 0, set()
+    for leaf in jax.tree.leaves((weights.tp, weights.sp)):
+        for shard in leaf.addressable_shards:
+            buffer = shard.data
+            pointer = buffer.unsafe_buffer_pointer()
+            if pointer not in seen:
+                seen.add(pointer)
+                freed += buffer.nbytes
+    for leaf in jax.tree.leaves((weights.tp, weights.sp)):
+        if id(leaf) not in kept and not leaf.is_deleted():
+            leaf.delete()
+    return freed

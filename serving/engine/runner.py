@@ -53,7 +53,7 @@ class StepRunner:
         self.executables = executables
         self.samplers = samplers
         self.caches = caches
-        self._allocate_caches = allocate_caches
+        self.allocate_caches = allocate_caches
         options = executables.options
         self._no_previous = transfers.empty_result(weights, executables.ladder.result_rows, options.max_top_logprobs)
         self._last_launched: LaunchedStep | None = None  # the source of the next step's sampled tokens
@@ -124,13 +124,13 @@ class StepRunner:
         """Forgets every launched step (no later step takes tokens from them); with
         ``new_caches``, a fresh cache replaces one a failed step may have left unusable."""
         if new_caches:
-            self.caches = self._allocate_caches()
+            self.caches = self.allocate_caches()
         self._last_launched = None
 
     def recover_caches(self) -> bool:
         """After a failed launch: a fresh cache if the failed call consumed the donated one.
         Whether it did (what the cache held is then lost)."""
         if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.caches)):
-            self.caches = self._allocate_caches()
+            self.caches = self.allocate_caches()
             return True
         return False
