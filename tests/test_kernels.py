@@ -169,13 +169,17 @@ def attention_of_a_layer_slice(q, k_cache, v_cache, metadata, *, layer, sm_scale
 
 
 CACHE_SHAPE = (4, 2, 64, 16, 32)  # layers, kv_slots, pages, page_size, head_dim
+# The HLO checked is XLA:CPU's default code generation, which the test run's flags change for
+# speed (tests/subprocess_env.py): its fusion emitters write a cache update inside a fusion
+DEFAULT_CPU_CODEGEN = {"xla_cpu_use_fusion_emitters": True}
 
 
 def write_hlo(write, dtype=jnp.bfloat16):
     k_cache = jnp.zeros(CACHE_SHAPE, dtype)
     k = jnp.ones((8, 2, 32), dtype)
     jitted = jax.jit(lambda kc, vc, k, v, s, l: write(kc, vc, k, v, s, layer=l), donate_argnums=(0, 1))
-    return jitted.lower(k_cache, k_cache, k, k, jnp.arange(8, dtype=jnp.int32), jnp.int32(2)).compile().as_text()
+    lowered = jitted.lower(k_cache, k_cache, k, k, jnp.arange(8, dtype=jnp.int32), jnp.int32(2))
+    return lowered.compile(DEFAULT_CPU_CODEGEN).as_text()
 
 
 def attention_hlo(attention):
@@ -184,7 +188,7 @@ def attention_hlo(attention):
     q = jnp.asarray(case.q, jnp.bfloat16)
     cache = jax.ShapeDtypeStruct(CACHE_SHAPE, jnp.bfloat16)
     jitted = jax.jit(lambda q, kc, vc, md, l: attention(q, kc, vc, md, layer=l, sm_scale=0.2))
-    return jitted.lower(q, cache, cache, case.metadata(jnp), jnp.int32(2)).compile().as_text()
+    return jitted.lower(q, cache, cache, case.metadata(jnp), jnp.int32(2)).compile(DEFAULT_CPU_CODEGEN).as_text()
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
