@@ -101,6 +101,8 @@ class LLM:
         the prefix cache is dropped. Refused while requests run or while asleep."""
         if self.engine.asleep:
             raise RuntimeError("update_weights needs an awake engine: call wake_up() first")
+        if self.engine.has_work:  # before the blocks are made (Engine.replace_weights checks it too)
+            raise RuntimeError("update_weights needs an idle engine: finish or abort its requests first")
         flat = dict(params) if isinstance(params, dict) else params_to_flat(params)
         shapes = param_shapes(self.config)
         unknown = sorted(set(flat) - set(shapes))
@@ -127,12 +129,12 @@ class LLM:
         old = self.weights
         self.engine.replace_weights(new)
         self.weights = new
-        _delete_weights(old, keep=new)
+        _delete_weights(old)
 
     def sleep(self, level: int = 1) -> int:
         """Frees device memory between rollouts; returns the bytes freed over all devices.
         Level 1 frees the KV cache (and the prefix cache); level 2 also the weights, kept on
-        the host until :meth:`wake_up` (or replaced by :meth:`update_weights` after it).
+        the host until :meth:`wake_up`.
         Compiled steps are kept either way. Refused while requests run."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
@@ -217,10 +219,9 @@ class LLM:
         return {r: ("".join(pieces[r]), outputs[r]) for r in requests}
 
 
-def _delete_weights(weights: ModelWeights, keep: ModelWeights | None = None) -> int:
-    """Frees ``weights``' device buffers (the two views share the aliased blocks: each buffer
-    once), except those ``keep`` still uses; returns the bytes freed."""
-    kept = {id(leaf) for leaf in jax.tree.leaves((keep.tp, keep.sp))} if keep is not None else set()
+def _delete_weights(weights: ModelWeights) -> int:
+    """Frees ``weights``' device buffers; returns their bytes over all devices (the two views
+    share the aliased blocks' buffers: each is counted once)."""
     freed, seen = 0, set()
     for leaf in jax.tree.leaves((weights.tp, weights.sp)):
         for shard in leaf.addressable_shards:
@@ -230,6 +231,6 @@ def _delete_weights(weights: ModelWeights, keep: ModelWeights | None = None) -> 
                 seen.add(pointer)
                 freed += buffer.nbytes
     for leaf in jax.tree.leaves((weights.tp, weights.sp)):
-        if id(leaf) not in kept and not leaf.is_deleted():
+        if not leaf.is_deleted():
             leaf.delete()
     return freed
