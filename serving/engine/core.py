@@ -230,7 +230,7 @@ class Engine:
         so each compiled step takes them as it took the old ones: nothing is compiled. Refused
         while requests are queued or running; the prefix cache is dropped (its pages hold K/V
         the old weights computed)."""
-        self._refuse_while_busy("replacing the weights")
+        self.refuse_while_busy("replacing the weights")
         old = self.weights
         for name in ("config", "layout", "mesh", "storage", "quantization"):
             if getattr(weights, name) != getattr(old, name):
@@ -252,7 +252,7 @@ class Engine:
     def free_caches(self) -> int:
         """Frees the KV cache's device memory (and so the prefix cache); returns the bytes it
         held over all devices. Requests are refused until :meth:`restore_caches`."""
-        self._refuse_while_busy("freeing the KV cache")
+        self.refuse_while_busy("freeing the KV cache")
         caches = self.runner.caches
         if caches is None:
             return 0
@@ -269,7 +269,8 @@ class Engine:
         if self.runner.caches is None:
             self.runner.caches = jax.block_until_ready(self.runner.allocate_caches())
 
-    def _refuse_while_busy(self, what: str) -> None:
+    def refuse_while_busy(self, what: str) -> None:
+        """RuntimeError naming ``what`` unless no request is queued, running or in flight."""
         if self.has_work or self._in_flight is not None:
             raise RuntimeError(f"{what} needs an idle engine: finish or abort its requests first")
 

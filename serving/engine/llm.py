@@ -101,8 +101,7 @@ class LLM:
         the prefix cache is dropped. Refused while requests run or while asleep."""
         if self.engine.asleep:
             raise RuntimeError("update_weights needs an awake engine: call wake_up() first")
-        if self.engine.has_work:  # before the blocks are made (Engine.replace_weights checks it too)
-            raise RuntimeError("update_weights needs an idle engine: finish or abort its requests first")
+        self.engine.refuse_while_busy("update_weights")  # before the blocks are made
         flat = dict(params) if isinstance(params, dict) else params_to_flat(params)
         shapes = param_shapes(self.config)
         unknown = sorted(set(flat) - set(shapes))
@@ -150,7 +149,7 @@ class LLM:
         """Undoes :meth:`sleep`: the weights back on the devices (level 2) and a fresh KV cache."""
         if self._host_weights is not None:
             self.weights = shard_params(self._host_weights, self.config, self.mesh, self.weights.storage)
-            self.engine.weights = self.engine.runner.weights = self.weights
+            self.engine.replace_weights(self.weights)
             self._host_weights = None
         self.engine.restore_caches()
 
